@@ -1,0 +1,197 @@
+"""The action IR shared by schedule generators, lowering passes, the validator, the simulator and the runtime.
+
+An action is printed as ``{stage}{kind}{microbatch}`` (``3F0``, ``0B12``, ``5W7``, ``2BW4``); communication
+actions carry their peer rank after ``@`` (``0SEND_F3@1``).  ``Action.parse`` is the exact inverse of ``str``.
+
+Conventions for communication actions (added only by lowering, never by generators):
+- ``SEND_F``: stage ``s`` sends its forward output of microbatch ``mb`` to the rank of stage ``s + 1``.
+- ``RECV_F``: stage ``s`` receives its forward input of ``mb`` from the rank of stage ``s - 1``.
+- ``SEND_B``: stage ``s`` sends the gradient of its input of ``mb`` to the rank of stage ``s - 1``.
+- ``RECV_B``: stage ``s`` receives the gradient of its output of ``mb`` from the rank of stage ``s + 1``.
+
+Plan files hold compute actions only; new kinds (cross-iteration communication for post-validation, overlapped
+F-and-B) are added as new ``Kind`` members without changing the string form of the existing ones.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Kind(str, Enum):
+    """What an action does.  The value is its spelling in the IR."""
+
+    F = "F"  # forward of one stage for one microbatch
+    B = "B"  # backward w.r.t. the stage input only (weight-gradient work deferred)
+    W = "W"  # the deferred weight-gradient work of one stage and microbatch
+    BW = "BW"  # full backward: B and W fused
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    # Cross-iteration communication of the optimizer post-validation state (lowering pass of that issue).
+    SEND_PV = "SEND_PV"
+    RECV_PV = "RECV_PV"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in _COMPUTE
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+    def __str__(self) -> str:  # str(Kind.F) == "F"
+        return self.value
+
+
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
+COMPUTE_KINDS: frozenset[Kind] = _COMPUTE
+
+# Longest spellings first so that "BW" is not read as "B" followed by garbage.
+_KIND_ALTERNATIVES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATIVES})(\d+)(?:@(\d+))?$")
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One step of one rank's plan: ``kind`` on virtual ``stage`` for ``microbatch`` (``peer`` for comm)."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+    peer: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"action stage and microbatch must be >= 0, got {self.stage=} {self.microbatch=}")
+        if self.kind.is_compute and self.peer is not None:
+            raise ValueError(f"compute action {self.kind.value} takes no peer, got peer={self.peer}")
+        if self.kind.is_comm and self.peer is None:
+            raise ValueError(f"communication action {self.kind.value} needs a peer rank")
+
+    def __str__(self) -> str:
+        s = f"{self.stage}{self.kind.value}{self.microbatch}"
+        return s if self.peer is None else f"{s}@{self.peer}"
+
+    def __repr__(self) -> str:
+        return f"Action({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse ``"3F0"``, ``"2BW4"`` or ``"0SEND_F3@1"``; raises ``ValueError`` naming the bad text."""
+        m = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
+        if m is None:
+            raise ValueError(
+                f"bad action {text!r}: expected '{{stage}}{{kind}}{{microbatch}}' such as '3F0', '0B12', '2BW4' "
+                f"(kinds: {', '.join(k.value for k in Kind)})"
+            )
+        stage, kind, mb, peer = m.groups()
+        return cls(int(stage), Kind(kind), int(mb), None if peer is None else int(peer))
+
+
+def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the IR
+    return Action(stage, Kind.F, mb)
+
+
+def B(stage: int, mb: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.B, mb)
+
+
+def W(stage: int, mb: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.W, mb)
+
+
+def BW(stage: int, mb: int) -> Action:  # noqa: N802
+    return Action(stage, Kind.BW, mb)
+
+
+def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:
+    """Virtual stage ``s`` on rank ``s % p`` (Megatron's interleaved layout)."""
+    _check_shape(num_ranks, chunks)
+    return tuple(s % num_ranks for s in range(num_ranks * chunks))
+
+
+def v_placement(num_ranks: int, chunks: int = 2) -> tuple[int, ...]:
+    """Zig-zag placement: chunk 0 goes down the ranks, chunk 1 comes back up (ZB-V), and so on.
+
+    With ``chunks=2`` and ``p=4``: stages 0..7 live on ranks 0,1,2,3,3,2,1,0, so the first and the last stage share
+    rank 0 and the loss is computed where the input is loaded.
+    """
+    _check_shape(num_ranks, chunks)
+    out = []
+    for s in range(num_ranks * chunks):
+        chunk, pos = divmod(s, num_ranks)
+        out.append(pos if chunk % 2 == 0 else num_ranks - 1 - pos)
+    return tuple(out)
+
+
+def _check_shape(num_ranks: int, chunks: int) -> None:
+    if num_ranks < 1:
+        raise ValueError(f"number of ranks p={num_ranks} must be >= 1")
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be >= 1")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A generated plan: each rank's ordered compute actions (lowering adds communication)."""
+
+    name: str
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+
+    def __post_init__(self) -> None:
+        if self.num_ranks < 1:
+            raise ValueError(f"schedule {self.name!r}: num_ranks={self.num_ranks} must be >= 1")
+        if self.num_microbatches < 1:
+            raise ValueError(f"schedule {self.name!r}: num_microbatches={self.num_microbatches} must be >= 1")
+        if self.num_stages < 1 or self.num_stages % self.num_ranks:
+            raise ValueError(
+                f"schedule {self.name!r}: num_stages={self.num_stages} must be a positive multiple of "
+                f"num_ranks={self.num_ranks}"
+            )
+        if len(self.stage_to_rank) != self.num_stages:
+            raise ValueError(
+                f"schedule {self.name!r}: stage_to_rank has {len(self.stage_to_rank)} entries, "
+                f"expected num_stages={self.num_stages}"
+            )
+        for s, r in enumerate(self.stage_to_rank):
+            if not 0 <= r < self.num_ranks:
+                raise ValueError(f"schedule {self.name!r}: stage {s} placed on rank {r}, outside 0..{self.num_ranks - 1}")
+        if len(self.ranks) != self.num_ranks:
+            raise ValueError(
+                f"schedule {self.name!r}: {len(self.ranks)} rank action lists, expected num_ranks={self.num_ranks}"
+            )
+        # Normalise to tuples so that schedules hash and compare by value.
+        object.__setattr__(self, "stage_to_rank", tuple(self.stage_to_rank))
+        object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
+
+    @property
+    def chunks(self) -> int:
+        """Virtual stages per rank."""
+        return self.num_stages // self.num_ranks
+
+    @property
+    def placement(self) -> str:
+        """``"loop"``, ``"v"`` or ``"custom"`` (for p = 1 or one chunk, loop and V coincide: ``"loop"``)."""
+        if self.stage_to_rank == loop_placement(self.num_ranks, self.chunks):
+            return "loop"
+        if self.stage_to_rank == v_placement(self.num_ranks, self.chunks):
+            return "v"
+        return "custom"
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The virtual stages that live on ``rank``, in increasing order."""
+        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+
+    def __str__(self) -> str:
+        lines = [f"{self.name}: p={self.num_ranks} S={self.num_stages} m={self.num_microbatches} ({self.placement})"]
+        for r, acts in enumerate(self.ranks):
+            lines.append(f"  rank {r}: " + " ".join(str(a) for a in acts))
+        return "\n".join(lines)

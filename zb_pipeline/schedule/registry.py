@@ -1,0 +1,110 @@
+"""The named registry of schedule generators.
+
+A generator is a pure function ``fn(p, m, *, chunks, costs, mem_limit) -> Schedule`` over integers and costs.
+Built-in generator modules register themselves on import; ``generate`` is the one entry point the CLI, the tests
+and the trainer call.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Schedule
+
+GeneratorFn = Callable[..., Schedule]
+
+# Modules under zb_pipeline/schedule/generators/ that register built-in schedules.
+_BUILTIN_MODULES: tuple[str, ...] = ("classic", "zero_bubble", "zb_auto", "v_shape")
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    name: str
+    fn: GeneratorFn
+    chunks: tuple[int, ...] | None  # supported chunk counts; None = any >= 1
+    default_chunks: int
+    placement: str  # "loop" or "v"
+    description: str
+
+
+_REGISTRY: dict[str, GeneratorSpec] = {}
+_loaded = False
+
+
+def register(
+    name: str,
+    *,
+    chunks: tuple[int, ...] | None = (1,),
+    default_chunks: int | None = None,
+    placement: str = "loop",
+    description: str = "",
+) -> Callable[[GeneratorFn], GeneratorFn]:
+    """Decorator: add a generator under ``name``."""
+
+    def deco(fn: GeneratorFn) -> GeneratorFn:
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+            raise ValueError(f"schedule {name!r} is registered twice")
+        dc = default_chunks if default_chunks is not None else (chunks[0] if chunks else 1)
+        _REGISTRY[name] = GeneratorSpec(name, fn, chunks, dc, placement, description or (fn.__doc__ or "").strip())
+        return fn
+
+    return deco
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in _BUILTIN_MODULES:
+        importlib.import_module(f"zb_pipeline.schedule.generators.{mod}")
+
+
+def available() -> list[str]:
+    """Names of every registered schedule, in registration order."""
+    _load_builtins()
+    return list(_REGISTRY)
+
+
+def get(name: str) -> GeneratorSpec:
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown schedule {name!r}; known schedules: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def generate(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    chunks: int | None = None,
+    costs: StageCosts | None = None,
+    mem_limit: float | None = None,
+) -> Schedule:
+    """Generate schedule ``name`` for ``p`` ranks and ``m`` microbatches.
+
+    ``costs`` defaults to uniform F = B = W = 1, T_comm = 0 with the default memory model; ``mem_limit`` is in the
+    units of the memory deltas (per rank).  Raises ``ValueError`` naming the constraint a shape violates.
+    """
+    spec = get(name)
+    if num_ranks < 1:
+        raise ValueError(f"number of ranks p={num_ranks} must be >= 1")
+    if num_microbatches < 1:
+        raise ValueError(f"number of microbatches m={num_microbatches} must be >= 1")
+    c = spec.default_chunks if chunks is None else chunks
+    if spec.chunks is not None and c not in spec.chunks:
+        raise ValueError(f"schedule {name!r} supports chunks in {list(spec.chunks)}, got chunks={c}")
+    if c < 1:
+        raise ValueError(f"chunks={c} must be >= 1")
+    if costs is None:
+        costs = StageCosts.uniform(num_ranks * c)
+    if costs.num_stages != num_ranks * c:
+        raise ValueError(
+            f"costs are given for {costs.num_stages} virtual stages, but {name!r} with p={num_ranks} and "
+            f"chunks={c} has {num_ranks * c}"
+        )
+    return spec.fn(num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
