@@ -17,7 +17,7 @@ from zb_pipeline.schedule.ir import Schedule
 GeneratorFn = Callable[..., Schedule]
 
 # Modules under zb_pipeline/schedule/generators/ that register built-in schedules.
-_BUILTIN_MODULES: tuple[str, ...] = ("classic", "zero_bubble", "zb_auto", "v_shape")
+_BUILTIN_MODULES: tuple[str, ...] = ("classic", "zero_bubble", "zb_auto", "v_shape", "interleaved_zb")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""ZB-Megatron trainer: GPT model, tensor/data/pipeline parallelism, data, optimizer, checkpoints."""

@@ -1,0 +1,1 @@
+"""Schedule generators (being written)."""
