@@ -1,0 +1,51 @@
+"""Where training samples come from: mock (synthetic) tokens or indexed datasets, and the tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.errors import require
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """``data_path`` follows Megatron: ``["prefix"]`` or ``["w1", "prefix1", "w2", "prefix2", ...]`` (blending)."""
+
+    data_path: tuple[str, ...] = ()
+    split: str = "969, 30, 1"
+    mock_data: bool = False
+    seq_length: int = 1024
+    tokenizer_type: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        require(
+            self.mock_data or len(self.data_path) > 0,
+            "no training data: pass --data-path PREFIX (a preprocessed .bin/.idx dataset) or --mock-data",
+        )
+        require(self.seq_length >= 1, f"--seq-length={self.seq_length} must be >= 1")
+        if self.vocab_size is not None:
+            require(self.vocab_size >= 2, f"--vocab-size={self.vocab_size} must be >= 2")
+        parts = [p.strip() for p in self.split.replace("/", ",").split(",") if p.strip()]
+        ok = 1 <= len(parts) <= 3
+        try:
+            weights = [float(p) for p in parts]
+        except ValueError:
+            ok = False
+            weights = []
+        require(
+            ok and all(w >= 0 for w in weights) and sum(weights) > 0, f"--split={self.split!r} must be like '969,30,1'"
+        )
+        require(self.num_workers >= 0, f"--num-workers={self.num_workers} must be >= 0")
+
+    @property
+    def split_weights(self) -> tuple[float, float, float]:
+        """Normalised train/valid/test fractions."""
+        parts = [float(p) for p in self.split.replace("/", ",").split(",") if p.strip()]
+        parts += [0.0] * (3 - len(parts))
+        total = sum(parts)
+        return (parts[0] / total, parts[1] / total, parts[2] / total)

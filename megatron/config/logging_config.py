@@ -1,0 +1,18 @@
+"""What the run reports and where: log-line cadence, TensorBoard, Weights & Biases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.errors import require
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_interval: int = 100
+    tensorboard_dir: str | None = None
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None
+
+    def __post_init__(self) -> None:
+        require(self.log_interval >= 1, f"--log-interval={self.log_interval} must be >= 1")

@@ -1,0 +1,28 @@
+"""AdamW hyper-parameters and gradient clipping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.config.errors import require
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Decoupled-weight-decay Adam (AdamW) in fp32; ``clip_grad=0`` disables global grad-norm clipping.
+
+    Weight decay is not applied to biases and normalisation weights (any 1-D parameter), as in Megatron.
+    """
+
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.weight_decay >= 0, f"--weight-decay={self.weight_decay} must be >= 0")
+        for flag, beta in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            require(0.0 <= beta < 1.0, f"{flag}={beta} must be in [0, 1)")
+        require(self.adam_eps > 0, f"--adam-eps={self.adam_eps} must be > 0")
+        require(self.clip_grad >= 0, f"--clip-grad={self.clip_grad} must be >= 0 (0 disables clipping)")

@@ -1,0 +1,92 @@
+"""Global gradient statistics (norm, inf/NaN) across every model-parallel rank, and clipping by the global norm.
+
+The sum of squares is taken over the gradients this rank *owns*: a tensor-parallel shard is owned by every
+tensor-parallel rank (each holds a different slice); a parameter replicated across the tensor-parallel group (norm
+weights, row-parallel biases) is owned by tensor-parallel rank 0 only; a parameter that is a copy of another rank's
+(the tied output embedding on the last pipeline stage, marked ``param.shared_embedding_copy = True``) is owned by
+nobody here. Data-parallel replicas hold identical reduced gradients, so only the model-parallel group is reduced.
+
+``reduce_grad_stats`` is the single synchronisation point of these statistics: the post-validation work replaces
+exactly that function, so nothing else here may communicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """The global gradient norm (before clipping) and whether any gradient held inf/NaN."""
+
+    norm: float
+    found_nonfinite: bool
+
+
+def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """The gradient the optimizer uses: the fp32 ``main_grad`` buffer when present, else ``.grad``."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def owns_grad(param: torch.nn.Parameter, *, tp_rank: int) -> bool:
+    """Whether this rank counts ``param`` in the global norm (see the module docstring)."""
+    if getattr(param, "shared_embedding_copy", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def local_grad_stats(params: Iterable[torch.nn.Parameter], *, tp_rank: int = 0) -> torch.Tensor:
+    """``[sum of squares, number of non-finite entries]`` (float64) over the gradients this rank owns."""
+    sq = torch.zeros((), dtype=torch.float64)
+    bad = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = grad_of(p)
+        if g is None or not owns_grad(p, tp_rank=tp_rank):
+            continue
+        g32 = g.detach().float()
+        sq += torch.dot(g32.reshape(-1), g32.reshape(-1)).double()
+        bad += (~torch.isfinite(g32)).sum().double()
+    return torch.stack([sq, bad])
+
+
+def reduce_grad_stats(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """THE synchronisation of gradient statistics: sum ``local`` over the model-parallel ``group`` (one collective).
+
+    ``group=None`` (or a single-rank group) means nothing to reduce. Returns the summed tensor (same shape).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return local
+    out = local.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def clip_grads(
+    params: Sequence[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    tp_rank: int = 0,
+    mp_group: dist.ProcessGroup | None = None,
+) -> GradStats:
+    """Compute the global grad norm over every model-parallel rank and scale gradients so it is at most ``max_norm``.
+
+    ``max_norm = 0`` only measures. Non-finite gradients are reported, never scaled (the caller skips the update).
+    Gradients are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1, as in Megatron.
+    """
+    total = reduce_grad_stats(local_grad_stats(params, tp_rank=tp_rank), group=mp_group)
+    sq, bad = float(total[0]), float(total[1])
+    found_nonfinite = bad > 0 or not torch.isfinite(total[0]).item()
+    norm = float("nan") if found_nonfinite else sq**0.5
+    if not found_nonfinite and max_norm > 0:
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                g = grad_of(p)
+                if g is not None:
+                    g.mul_(coeff)
+    return GradStats(norm=norm, found_nonfinite=found_nonfinite)

@@ -1,0 +1,143 @@
+"""The multi-rank test harness: results come back per rank, failures carry tracebacks, hangs are killed."""
+
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zb_pipeline.testing import MultiProcessError, run_multiprocess, run_torchrun
+
+
+def _allreduce_rank(rank: int, world_size: int, scale: float) -> tuple[float, int, int, str]:
+    t = torch.tensor([float(rank) * scale])
+    dist.all_reduce(t)
+    return t.item(), dist.get_rank(), torch.get_num_threads(), os.environ["RANK"]
+
+
+def _rank1_raises(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one is broken on purpose")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the other ranks wait for rank 1 here and must not hang
+    return rank
+
+
+def _rank0_hangs(rank: int, world_size: int) -> int:
+    if rank == 0:
+        _sleep_forever_marker()
+    return rank
+
+
+def _sleep_forever_marker() -> None:
+    while True:
+        time.sleep(0.05)
+
+
+def _no_group(rank: int, world_size: int) -> tuple[bool, str]:
+    initialised = dist.is_initialized()
+    dist.init_process_group("gloo")  # env:// as under torchrun, through the parent's store
+    t = torch.tensor([rank + 1])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return initialised, str(t.item())
+
+
+def _returns_unpicklable(rank: int, world_size: int):
+    return lambda: rank
+
+
+def test_results_per_rank_and_one_thread():
+    out = run_multiprocess(_allreduce_rank, 3, args=(2.0,), timeout_s=60)
+    assert out == [(6.0, 0, 1, "0"), (6.0, 1, 1, "1"), (6.0, 2, 1, "2")]
+
+
+def test_single_rank_works():
+    assert run_multiprocess(_allreduce_rank, 1, args=(5.0,), timeout_s=60) == [(0.0, 0, 1, "0")]
+
+
+def test_failing_rank_reports_traceback_and_others_do_not_hang():
+    start = time.monotonic()
+    with pytest.raises(MultiProcessError) as info:
+        run_multiprocess(_rank1_raises, 3, timeout_s=60, failure_grace_s=3)
+    err = info.value
+    assert next(iter(err.failures)) == 1  # the first failure listed is the real one
+    assert "ValueError: rank one is broken on purpose" in err.failures[1]
+    assert "_rank1_raises" in err.failures[1]  # a real traceback
+    assert "rank 1" in str(err) and "broken on purpose" in str(err)
+    assert time.monotonic() - start < 55  # well before the 60 s timeout: the grace period ended it
+
+
+def test_hanging_rank_is_killed_at_timeout_with_its_stack():
+    with pytest.raises(MultiProcessError) as info:
+        run_multiprocess(_rank0_hangs, 2, timeout_s=8)
+    err = info.value
+    assert list(err.failures) == [0]
+    assert "timed out after 8 s" in err.failures[0]
+    assert "_sleep_forever_marker" in err.failures[0]  # the stack shows where it hung
+    assert err.results[1] == 1
+
+
+def test_fn_may_initialise_the_group_itself():
+    out = run_multiprocess(_no_group, 2, timeout_s=60, init_process_group=False)
+    assert out == [(False, "3"), (False, "3")]
+
+
+def test_unpicklable_result_is_a_failure():
+    with pytest.raises(MultiProcessError, match="does not pickle"):
+        run_multiprocess(_returns_unpicklable, 1, timeout_s=60)
+
+
+def test_lambda_is_rejected_up_front():
+    with pytest.raises(ValueError, match="must pickle"):
+        run_multiprocess(lambda r, w: r, 1)
+
+
+def test_torchrun_success_and_failure(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            import torch, torch.distributed as dist
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo")
+            t = torch.tensor([dist.get_rank() + 1.0])
+            dist.all_reduce(t)
+            print(f"rank {dist.get_rank()} sum {t.item():.0f}", flush=True)
+            dist.destroy_process_group()
+            if os.environ.get("EXIT_CODE") and os.environ["RANK"] == "1":
+                print("bad input: fix it", file=sys.stderr, flush=True)
+                sys.exit(int(os.environ["EXIT_CODE"]))
+            """
+        )
+    )
+    ok = run_torchrun([str(script)], 2, timeout_s=120)
+    assert ok.returncode == 0 and not ok.timed_out, ok.output
+    assert "rank 0 sum 3" in ok.output and "rank 1 sum 3" in ok.output
+    bad = run_torchrun([str(script)], 2, timeout_s=120, env={"EXIT_CODE": "2"})
+    assert bad.returncode != 0 and not bad.timed_out
+    assert "bad input: fix it" in bad.output
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc to check that nothing survives")
+def test_torchrun_timeout_kills_every_rank(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\nwhile True:\n    time.sleep(0.1)\n")
+    res = run_torchrun([str(script)], 2, timeout_s=15)
+    assert res.timed_out
+    pids = [int(line.split()[1]) for line in res.stdout.splitlines() if line.startswith("pid ")]
+    time.sleep(0.5)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), f"rank process {pid} survived the timeout"
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].startswith("Z")
+    except OSError:
+        return True

@@ -1,0 +1,235 @@
+"""Deferrable-weight-gradient autograd functions: linear, bias add and embedding lookup with a B/W split.
+
+Every linear of the trainer goes through ``deferrable_linear``.  Its backward always computes the input gradient
+(``grad_x = grad_y @ W``: that is B).  The weight gradient (``grad_W = grad_y^T @ x``, ``grad_b = sum(grad_y)``:
+that is W) goes one of three ways:
+
+* a ``WeightGradStore`` is bound and deferring: a closure holding ``grad_y`` and ``x`` is enqueued and runs at W;
+* a store is bound but not deferring, or the parameter has ``main_grad``: it is computed now and accumulated by
+  this module into ``param.main_grad`` (fp32, in place) or ``param.grad``;
+* neither: it is returned to autograd (plain ``torch.nn.functional.linear`` behaviour, ``torch.autograd.grad`` works).
+
+Because B and W run exactly the same kernels as the immediate path on the same tensors, B then W gives bit-identical
+gradients to a full backward.  Accumulation into an fp32 ``main_grad`` is ``addmm_`` in place when the activations
+are fp32 (no temporary) and one layer-sized temporary otherwise.
+
+Parameters whose gradient this module may accumulate itself carry ``param.zb_deferrable = True`` so that other
+machinery (the generic split, reducers) knows not to expect it from autograd.  Code that must know when a
+gradient contribution has landed (a data-parallel reducer launching a bucket) registers
+``register_grad_accumulated_hook(param, fn)``; it is called after every accumulation this module performs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from zb_pipeline.runtime.weight_grad_store import WeightGradStore
+
+_HOOKS_ATTR = "_zb_grad_accumulated_hooks"
+
+
+def mark_deferrable(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """Tag ``param`` as one whose gradient a deferrable function may accumulate outside autograd."""
+    param.zb_deferrable = True
+    return param
+
+
+def register_grad_accumulated_hook(param: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
+    """Call ``hook(param)`` each time a deferrable function accumulates a gradient contribution into ``param``."""
+    hooks = getattr(param, _HOOKS_ATTR, None)
+    if hooks is None:
+        hooks = []
+        setattr(param, _HOOKS_ATTR, hooks)
+    hooks.append(hook)
+
+
+def _notify(param: torch.Tensor) -> None:
+    hooks = getattr(param, _HOOKS_ATTR, None)
+    if hooks:
+        for hook in hooks:
+            hook(param)
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add ``grad`` into ``param.main_grad`` if present (in place), else into ``param.grad``."""
+    main = getattr(param, "main_grad", None)
+    if main is not None:
+        main.add_(grad)
+    elif param.grad is None:
+        param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+    _notify(param)
+
+
+def _accumulate_weight_grad(weight: torch.Tensor, grad_y2d: torch.Tensor, x2d: torch.Tensor) -> None:
+    """``weight`` grad += grad_y^T @ x, fused into ``main_grad`` when the dtypes allow."""
+    main = getattr(weight, "main_grad", None)
+    if main is not None and main.dtype == grad_y2d.dtype == x2d.dtype:
+        main.addmm_(grad_y2d.t(), x2d)
+        _notify(weight)
+    else:
+        accumulate_grad(weight, grad_y2d.t().mm(x2d))
+
+
+def _weight_grad_goes_to_autograd(store: WeightGradStore | None, weight: torch.Tensor) -> bool:
+    return store is None and getattr(weight, "main_grad", None) is None
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, store):  # x: [..., in], weight: [out, in], bias: [out] | None
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        ctx.bias_ref = bias  # only the target of accumulation, never read by the math
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)  # [..., out]
+
+    @staticmethod
+    def backward(ctx, grad_y):  # grad_y: [..., out]
+        x, weight = ctx.saved_tensors
+        store: WeightGradStore | None = ctx.store
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        grad_x = grad_y.matmul(weight) if need_x else None  # [..., in]
+        if not (need_w or need_b):
+            return grad_x, None, None, None
+        grad_y2d = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
+        if _weight_grad_goes_to_autograd(store, weight):
+            grad_w = grad_y2d.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
+            grad_b = grad_y2d.sum(0) if need_b else None
+            return grad_x, grad_w, grad_b, None
+        bias = ctx.bias_ref
+
+        def weight_grad_work() -> None:
+            if need_w:
+                _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]))
+            if need_b:
+                accumulate_grad(bias, grad_y2d.sum(0))
+
+        if store is None:
+            weight_grad_work()
+        else:
+            store.submit(weight_grad_work)
+        return grad_x, None, None, None
+
+
+def deferrable_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    store: WeightGradStore | None = None,
+) -> torch.Tensor:
+    """``y = x @ weight^T + bias`` whose weight/bias gradients may be deferred to W (see module docstring)."""
+    return _DeferrableLinear.apply(x, weight, bias, store)
+
+
+class _DeferrableBiasAdd(torch.autograd.Function):
+    """``y = x + bias`` (bias broadcast over leading dims) with the bias gradient deferrable; for row-parallel
+    layers, where the bias is added after the tensor-parallel reduction."""
+
+    @staticmethod
+    def forward(ctx, x, bias, store):  # x: [..., n], bias: [n]
+        ctx.bias_ref = bias
+        ctx.store = store
+        return x + bias
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        bias, store = ctx.bias_ref, ctx.store
+        if not ctx.needs_input_grad[1]:
+            return grad_y, None, None
+        grad_y2d = grad_y.reshape(-1, grad_y.shape[-1])
+        if _weight_grad_goes_to_autograd(store, bias):
+            return grad_y, grad_y2d.sum(0), None
+
+        def bias_grad_work() -> None:
+            accumulate_grad(bias, grad_y2d.sum(0))
+
+        if store is None:
+            bias_grad_work()
+        else:
+            store.submit(bias_grad_work)
+        return grad_y, None, None
+
+
+def deferrable_bias_add(x: torch.Tensor, bias: torch.Tensor, store: WeightGradStore | None = None) -> torch.Tensor:
+    """``x + bias`` with the bias gradient handled like a linear's (deferrable, main_grad aware)."""
+    return _DeferrableBiasAdd.apply(x, bias, store)
+
+
+class _DeferrableEmbedding(torch.autograd.Function):
+    """Row lookup ``weight[ids]``.  Its backward has no input gradient at all (ids are integers), so with a
+    deferring store the whole backward (a scatter-add into the table) moves to W."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, store):  # ids: [...] int64 in [0, rows), weight: [rows, h]
+        ctx.save_for_backward(ids)
+        ctx.weight_ref = weight
+        ctx.store = store
+        return F.embedding(ids, weight)  # [..., h]
+
+    @staticmethod
+    def backward(ctx, grad_y):  # grad_y: [..., h]
+        (ids,) = ctx.saved_tensors
+        weight, store = ctx.weight_ref, ctx.store
+        if not ctx.needs_input_grad[1]:
+            return None, None, None
+        h = grad_y.shape[-1]
+        flat_ids, grad2d = ids.reshape(-1), grad_y.reshape(-1, h)
+
+        def table_grad() -> torch.Tensor:
+            grad = torch.zeros(weight.shape, dtype=grad2d.dtype, device=grad2d.device)
+            return grad.index_add_(0, flat_ids, grad2d)
+
+        if _weight_grad_goes_to_autograd(store, weight):
+            return None, table_grad(), None
+
+        def embedding_grad_work() -> None:
+            main = getattr(weight, "main_grad", None)
+            if main is not None and main.dtype == grad2d.dtype:
+                main.index_add_(0, flat_ids, grad2d)  # in place, no table-sized temporary
+                _notify(weight)
+            else:
+                accumulate_grad(weight, table_grad())
+
+        if store is None:
+            embedding_grad_work()
+        else:
+            store.submit(embedding_grad_work)
+        return None, None, None
+
+
+def deferrable_embedding(ids: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None) -> torch.Tensor:
+    """``weight[ids]`` with the table gradient deferrable (the whole embedding backward is weight work)."""
+    return _DeferrableEmbedding.apply(ids, weight, store)
+
+
+class DeferrableLinear(torch.nn.Module):
+    """A drop-in ``nn.Linear`` built on ``deferrable_linear``; bind a store with ``bind_weight_grad_store``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = mark_deferrable(torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype)))
+        self.bias = (
+            mark_deferrable(torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))) if bias else None
+        )
+        self.weight_grad_store: WeightGradStore | None = None
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+        return deferrable_linear(x, self.weight, self.bias, self.weight_grad_store)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,0 +1,263 @@
+"""Lowering: add the point-to-point communication a compute plan needs, in an order that is safe on NCCL.
+
+What comes out
+--------------
+``lower(schedule)`` returns a ``LoweredSchedule``: each rank's compute actions (unchanged, same order) with
+``CommBatch`` steps between them.  A batch holds ``SEND_F`` / ``RECV_F`` / ``SEND_B`` / ``RECV_B`` actions (stage
+conventions in ``ir.py``; ``Action.peer`` is the other rank) that the runtime posts together
+(``batch_isend_irecv``).  Only hand-offs between *different* ranks are communicated: with V placement the
+activation of stage ``p - 1`` goes to stage ``p`` on the same rank locally, and so does anything else placed on one
+rank.
+
+The communication model (strict, as NCCL imposes it)
+----------------------------------------------------
+- Per ordered pair of ranks ``(src, dst)`` the k-th send from ``src`` to ``dst`` is matched with the k-th receive
+  at ``dst`` from ``src``; there are no tags, so both sides must list their transfers in the same order.
+- A send completes only once its matching receive has been posted (no buffering).
+- A rank posts a ``CommBatch`` as a unit and blocks until every op in it has completed; compute actions never
+  block (their inputs arrived in an earlier batch).
+``validate.validate_lowered`` simulates exactly this model.
+
+The algorithm
+-------------
+1. *Event order.*  Run the compute plan once under unit costs (F = B = W = 1, BW = 2, no communication time):
+   each rank executes its actions in order, each action starting when the previous one on its rank and all of its
+   dependencies have ended.  This gives every compute action an integer end time ``end`` and a global completion
+   index ``seq``; it is O(number of actions) (a rank that waits is parked on the one event it waits for).  If
+   the plan can never finish this way it is not dependency-valid and ``lower`` raises ``ValueError``.
+2. *Transfers.*  Each hand-off that crosses ranks (F of ``s`` feeding F of ``s + 1``; B or BW of ``s`` feeding the
+   backward of ``s - 1``) gets the key ``(end, seq)`` of the action that produces it.  The producer's rank gets the
+   send, the consumer's rank the receive, *both with the same key*.
+3. *Placement.*  On every rank, all transfers whose producer ends at time ``t`` form one batch, posted after the
+   rank's compute actions that end at or before ``t`` and before those that end after ``t``; inside a batch (and
+   so between every pair of ranks) transfers are ordered by key.  A send therefore comes right after its producer,
+   and a receive is posted at the moment its data comes into existence in the simulated run -- the earliest
+   point that is safe for every plan -- which is often well before the consumer, so the runtime can overlap the
+   transfer with compute.  Sends and receives that fall on the same instant share one batch (in 1F1B's steady
+   state this is Megatron's ``send_forward_recv_backward`` pairing).
+
+Why it never deadlocks: batches on every rank are sorted by their time ``t``, and a batch's partner ops sit in
+the partners' batches of the *same* ``t`` (same key on both sides).  Suppose some batch never completes and take
+the stuck batch with the smallest ``t``: each partner rank has completed all its batches with smaller times
+(minimality), compute never blocks, so every partner reaches -- and posts -- its batch at ``t``, and every op of
+the stuck batch is matched.  Contradiction.  Receives posted earlier than the producer's end (for example at
+the start of the rank's program) would break this argument: the receiver would block before work that the
+producer may itself be waiting for.
+
+Merging batches that are adjacent on a rank (no compute between them) is also safe, since posting ops earlier
+never prevents a match; we do not do it, so a receive's completion never waits on an unrelated later send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zb_pipeline.schedule.ir import Action, Kind, Schedule
+
+# Event slots: key = (stage * m + microbatch) * 3 + slot.
+SLOT_F = 0  # F(s, mb) ended: its activation exists
+SLOT_G = 1  # B or BW of (s, mb) ended: the gradient of its input exists
+SLOT_W = 2  # W of (s, mb) ended (or the W half of a BW)
+_SLOTS = {Kind.F: (SLOT_F,), Kind.B: (SLOT_G,), Kind.W: (SLOT_W,), Kind.BW: (SLOT_G, SLOT_W)}
+_UNIT_COST = {Kind.F: 1, Kind.B: 1, Kind.W: 1, Kind.BW: 2}
+COMM_KINDS: frozenset[Kind] = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+
+
+@dataclass(frozen=True)
+class CommBatch:
+    """Communication actions that one rank posts together and waits for as a unit."""
+
+    actions: tuple[Action, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(self.actions))
+
+    def __str__(self) -> str:
+        return "{" + ",".join(str(a) for a in self.actions) + "}"
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+LoweredStep = Action | CommBatch
+
+
+@dataclass(frozen=True)
+class LoweredSchedule:
+    """A compute plan plus its communication: per rank, compute actions and ``CommBatch`` steps in posting order."""
+
+    schedule: Schedule
+    ranks: tuple[tuple[LoweredStep, ...], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(tuple(r) for r in self.ranks))
+
+    def comm_actions(self, rank: int) -> list[Action]:
+        """Every communication action of ``rank`` in posting order (batches flattened)."""
+        return [a for step in self.ranks[rank] if isinstance(step, CommBatch) for a in step.actions]
+
+    @property
+    def num_batches(self) -> int:
+        return sum(isinstance(step, CommBatch) for steps in self.ranks for step in steps)
+
+    def __str__(self) -> str:
+        s = self.schedule
+        lines = [f"{s.name} (lowered): p={s.num_ranks} S={s.num_stages} m={s.num_microbatches} ({s.placement})"]
+        for r, steps in enumerate(self.ranks):
+            lines.append(f"  rank {r}: " + " ".join(str(step) for step in steps))
+        return "\n".join(lines)
+
+
+def action_deps(kind: Kind, stage: int, microbatch: int, num_stages: int, m: int) -> tuple[int, ...]:
+    """The event keys a compute action waits for (see the module's dependency rules)."""
+    base = (stage * m + microbatch) * 3
+    if kind is Kind.F:
+        return (base - 3 * m + SLOT_F,) if stage > 0 else ()
+    if kind is Kind.W:
+        return (base + SLOT_G,)
+    # B / BW: its own F, and the gradient from the next stage (the loss, i.e. its own F, on the last stage).
+    if stage < num_stages - 1:
+        return (base + SLOT_F, base + 3 * m + SLOT_G)
+    return (base + SLOT_F,)
+
+
+def describe_event(key: int, m: int) -> str:
+    """The action (spelled as in the IR) whose end is event ``key``."""
+    sm, slot = divmod(key, 3)
+    s, mb = divmod(sm, m)
+    return {SLOT_F: f"{s}F{mb}", SLOT_G: f"{s}B{mb}", SLOT_W: f"{s}W{mb}"}[slot]
+
+
+@dataclass(frozen=True)
+class EventOrder:
+    """One run of a compute plan under unit costs.
+
+    ``end[r][i]`` and ``seq[r][i]`` are the end time and global completion index of rank ``r``'s ``i``-th action.
+    If the plan cannot finish, ``stuck`` lists ``(rank, position, event key it waits for)`` for each rank that is
+    blocked (``end``/``seq`` then cover only what ran).
+    """
+
+    end: tuple[tuple[int, ...], ...]
+    seq: tuple[tuple[int, ...], ...]
+    stuck: tuple[tuple[int, int, int], ...]
+
+
+def event_order(schedule: Schedule) -> EventOrder:
+    """Run ``schedule`` under unit costs (O(actions)); assumes every action is a compute action, in range and unique."""
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    done = [-1] * (S * m * 3)  # event key -> end time (-1: not yet)
+    waiting: dict[int, list[int]] = {}
+    blocked: list[int | None] = [None] * p
+    pos = [0] * p
+    clock = [0] * p
+    ends: list[list[int]] = [[] for _ in range(p)]
+    seqs: list[list[int]] = [[] for _ in range(p)]
+    counter = 0
+    ready = list(range(p - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        blocked[r] = None
+        acts = schedule.ranks[r]
+        i, t_rank, n = pos[r], clock[r], len(acts)
+        end_r, seq_r = ends[r], seqs[r]
+        while i < n:
+            a = acts[i]
+            kind, s, mb = a.kind, a.stage, a.microbatch
+            start = t_rank
+            missing = -1
+            for key in action_deps(kind, s, mb, S, m):
+                t = done[key]
+                if t < 0:
+                    missing = key
+                    break
+                if t > start:
+                    start = t
+            if missing >= 0:
+                waiting.setdefault(missing, []).append(r)
+                blocked[r] = missing
+                break
+            t_rank = start + _UNIT_COST[kind]
+            base = (s * m + mb) * 3
+            for slot in _SLOTS[kind]:
+                done[base + slot] = t_rank
+                woken = waiting.pop(base + slot, None)
+                if woken:
+                    ready.extend(woken)
+            end_r.append(t_rank)
+            seq_r.append(counter)
+            counter += 1
+            i += 1
+        pos[r], clock[r] = i, t_rank
+    stuck = tuple((r, pos[r], key) for r, key in enumerate(blocked) if key is not None)
+    return EventOrder(tuple(map(tuple, ends)), tuple(map(tuple, seqs)), stuck)
+
+
+def _check_compute_only(schedule: Schedule) -> None:
+    """The cheap structural checks ``lower`` relies on (``validate`` gives the full diagnosis)."""
+    S, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+    seen: set[tuple[int, Kind, int]] = set()
+    for r, acts in enumerate(schedule.ranks):
+        for i, a in enumerate(acts):
+            if not a.kind.is_compute or a.stage >= S or a.microbatch >= m or owner[a.stage] != r:
+                raise ValueError(
+                    f"cannot lower {schedule.name!r}: rank {r} position {i} ({a}) is not a compute action of a stage "
+                    f"on that rank; run validate() for the full diagnosis"
+                )
+            key = (a.stage, a.kind, a.microbatch)
+            if key in seen:
+                raise ValueError(f"cannot lower {schedule.name!r}: rank {r} position {i} repeats {a}")
+            seen.add(key)
+
+
+def lower(schedule: Schedule, *, order: EventOrder | None = None) -> LoweredSchedule:
+    """Add the communication ``schedule`` needs (see the module docstring for the algorithm and its guarantee).
+
+    ``schedule`` must be dependency-valid (``validate`` checks that first and reuses its ``order``); otherwise
+    ``ValueError`` is raised.
+    """
+    if order is None:
+        _check_compute_only(schedule)
+        order = event_order(schedule)
+    if order.stuck:
+        r, i, key = order.stuck[0]
+        raise ValueError(
+            f"cannot lower {schedule.name!r}: the plan never finishes (rank {r} position {i} "
+            f"({schedule.ranks[r][i]}) waits for {describe_event(key, schedule.num_microbatches)}); "
+            f"run validate() for the full diagnosis"
+        )
+    S, owner = schedule.num_stages, schedule.stage_to_rank
+    # Per rank: (end, seq, action) of every comm op it takes part in.
+    comm: list[list[tuple[int, int, Action]]] = [[] for _ in range(schedule.num_ranks)]
+    for r, acts in enumerate(schedule.ranks):
+        end_r, seq_r = order.end[r], order.seq[r]
+        for i, a in enumerate(acts):
+            kind, s, mb = a.kind, a.stage, a.microbatch
+            if kind is Kind.F:
+                if s + 1 < S and owner[s + 1] != r:
+                    q = owner[s + 1]
+                    comm[r].append((end_r[i], seq_r[i], Action(s, Kind.SEND_F, mb, q)))
+                    comm[q].append((end_r[i], seq_r[i], Action(s + 1, Kind.RECV_F, mb, r)))
+            elif kind is not Kind.W and s > 0 and owner[s - 1] != r:  # B or BW
+                q = owner[s - 1]
+                comm[r].append((end_r[i], seq_r[i], Action(s, Kind.SEND_B, mb, q)))
+                comm[q].append((end_r[i], seq_r[i], Action(s - 1, Kind.RECV_B, mb, r)))
+
+    ranks: list[tuple[LoweredStep, ...]] = []
+    for r, acts in enumerate(schedule.ranks):
+        ops = sorted(comm[r], key=lambda e: (e[0], e[1]))
+        end_r = order.end[r]
+        steps: list[LoweredStep] = []
+        i, j, n_acts, n_ops = 0, 0, len(acts), len(ops)
+        while j < n_ops:
+            t = ops[j][0]
+            while i < n_acts and end_r[i] <= t:
+                steps.append(acts[i])
+                i += 1
+            k = j
+            while k < n_ops and ops[k][0] == t:
+                k += 1
+            steps.append(CommBatch(tuple(op[2] for op in ops[j:k])))
+            j = k
+        steps.extend(acts[i:])
+        ranks.append(tuple(steps))
+    return LoweredSchedule(schedule, tuple(ranks))
