@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron.config.checkpoint import CheckpointConfig
-from megatron.config.data import DataConfig
+from megatron.config.data import NO_DATA_MESSAGE, DataConfig
 from megatron.config.errors import ConfigError, require
 from megatron.config.logging_config import LoggingConfig
 from megatron.config.lr_schedule import LR_DECAY_STYLES, LRScheduleConfig
@@ -274,8 +274,9 @@ class ModelArgs:
     kv_channels: int
     seq_length: int
     max_position_embeddings: int
-    vocab_size: int
+    vocab_size: int  # 0 until the tokenizer is known (real data without --vocab-size)
     padded_vocab_size: int
+    make_vocab_size_divisible_by: int
     untie_embeddings_and_output_weights: bool
     position_embedding_type: str
     rotary_base: int
@@ -415,6 +416,7 @@ def _build_model_args(v: dict[str, Any], tp: int) -> ModelArgs:
         max_position_embeddings=max_pos,
         vocab_size=vocab,
         padded_vocab_size=padded,
+        make_vocab_size_divisible_by=v["make_vocab_size_divisible_by"],
         untie_embeddings_and_output_weights=v["untie_embeddings_and_output_weights"],
         position_embedding_type=v["position_embedding_type"],
         rotary_base=v["rotary_base"],
@@ -439,6 +441,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     v, ignored = parse_flags(argv)
     require(v["train_iters"] is not None, "--train-iters is required (how many iterations to train)")
     require(v["lr"] is not None, "--lr is required (the peak learning rate)")
+    require(v["mock_data"] or bool(v["data_path"]), NO_DATA_MESSAGE)
     tp, pp = v["tensor_model_parallel_size"], v["pipeline_model_parallel_size"]
     timeout_s = v["distributed_timeout_seconds"]
     if timeout_s is None:
@@ -454,6 +457,11 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     )
     dp = parallel.data_parallel_size(world_size)
     model = _build_model_args(v, tp)
+    require(
+        not parallel.sequence_parallel or model.seq_length % tp == 0,
+        f"--seq-length={model.seq_length} is not divisible by --tensor-model-parallel-size={tp}, which "
+        "--sequence-parallel needs; pick a multiple of tp or drop --sequence-parallel",
+    )
     parallel.layers_per_stage(model.num_layers)
     training = TrainingConfig(
         micro_batch_size=v["micro_batch_size"],

@@ -108,27 +108,35 @@ def train_sentencepiece(
                 if line.strip():
                     yield line
 
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(),
-        model_prefix=prefix,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        normalization_rule_name=normalization,
-        byte_fallback=byte_fallback,
-        character_coverage=1.0 if byte_fallback else 0.9995,
-        unk_id=0,
-        bos_id=1,
-        eos_id=2,
-        pad_id=3,
-        hard_vocab_limit=False,
-        minloglevel=2,
-        num_threads=1,
-    )
+    try:
+        _train_sp(
+            spm,
+            sentence_iterator=lines(),
+            model_prefix=prefix,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            normalization_rule_name=normalization,
+            byte_fallback=byte_fallback,
+            character_coverage=0.9995,  # rarer characters are spelled as bytes (byte_fallback)
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=3,
+            hard_vocab_limit=False,
+            minloglevel=2,
+            num_threads=1,
+        )
+    except RuntimeError as exc:
+        raise ValueError(f"SentencePiece training failed: {str(exc).splitlines()[0]}") from None
     return {
         "tokenizer_type": "SentencePieceTokenizer",
         "tokenizer_model": prefix + ".model",
         "vocab_size": vocab_size,
     }
+
+
+def _train_sp(spm, **kwargs) -> None:
+    spm.SentencePieceTrainer.train(**kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

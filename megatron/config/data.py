@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from megatron.config.errors import require
 
 
+NO_DATA_MESSAGE = "no training data: pass --data-path PREFIX (a preprocessed .bin/.idx dataset) or --mock-data"
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """``data_path`` follows Megatron: ``["prefix"]`` or ``["w1", "prefix1", "w2", "prefix2", ...]`` (blending)."""
@@ -23,10 +26,7 @@ class DataConfig:
     num_workers: int = 0
 
     def __post_init__(self) -> None:
-        require(
-            self.mock_data or len(self.data_path) > 0,
-            "no training data: pass --data-path PREFIX (a preprocessed .bin/.idx dataset) or --mock-data",
-        )
+        require(self.mock_data or len(self.data_path) > 0, NO_DATA_MESSAGE)
         require(self.seq_length >= 1, f"--seq-length={self.seq_length} must be >= 1")
         if self.vocab_size is not None:
             require(self.vocab_size >= 2, f"--vocab-size={self.vocab_size} must be >= 2")

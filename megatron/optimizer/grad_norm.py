@@ -3,7 +3,7 @@
 The sum of squares is taken over the gradients this rank *owns*: a tensor-parallel shard is owned by every
 tensor-parallel rank (each holds a different slice); a parameter replicated across the tensor-parallel group (norm
 weights, row-parallel biases) is owned by tensor-parallel rank 0 only; a parameter that is a copy of another rank's
-(the tied output embedding on the last pipeline stage, marked ``param.shared_embedding_copy = True``) is owned by
+(the tied output embedding on the last pipeline stage, marked ``param.shared_embedding = True``) is owned by
 nobody here. Data-parallel replicas hold identical reduced gradients, so only the model-parallel group is reduced.
 
 ``reduce_grad_stats`` is the single synchronisation point of these statistics: the post-validation work replaces
@@ -35,7 +35,7 @@ def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
 
 def owns_grad(param: torch.nn.Parameter, *, tp_rank: int) -> bool:
     """Whether this rank counts ``param`` in the global norm (see the module docstring)."""
-    if getattr(param, "shared_embedding_copy", False):
+    if getattr(param, "shared_embedding", False):
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 

@@ -19,6 +19,7 @@ import json
 import os
 from collections.abc import Iterable
 from functools import lru_cache
+from itertools import chain
 
 import regex
 
@@ -78,6 +79,8 @@ def read_vocab_and_merges(vocab_file: str | os.PathLike, merge_file: str | os.Pa
 class ReferenceByteLevelBPE:
     """Byte-level BPE over a GPT-2 style vocabulary, in plain Python (slow, simple, obviously right)."""
 
+    cache_size = 500_000  # pre-tokens remembered (a few hundred MB at most)
+
     def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
         self.encoder = dict(vocab)
         self.decoder = {i: t for t, i in vocab.items()}
@@ -116,24 +119,31 @@ class ReferenceByteLevelBPE:
         return symbols
 
     def _encode_piece(self, piece: str) -> list[int]:
-        ids = self._cache.get(piece)
-        if ids is None:
-            spelled = [self._b2c[b] for b in piece.encode("utf-8")]
-            symbols = self._merge(spelled)
-            try:
-                ids = [self.encoder[s] for s in symbols]
-            except KeyError as exc:
-                raise ValueError(
-                    f"symbol {exc.args[0]!r} is missing from the vocabulary (an incomplete vocab.json?)"
-                ) from None
-            if len(self._cache) < 200_000:
-                self._cache[piece] = ids
-        return ids
+        spelled = [self._b2c[b] for b in piece.encode("utf-8")]
+        try:
+            return [self.encoder[s] for s in self._merge(spelled)]
+        except KeyError as exc:
+            raise ValueError(
+                f"symbol {exc.args[0]!r} is missing from the vocabulary (an incomplete vocab.json?)"
+            ) from None
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (pre-tokens are cached: a corpus repeats most of them)."""
+        pieces = self._split.findall(text)
+        cache = self._cache
+        try:  # fast path: every piece seen before
+            return list(chain.from_iterable(map(cache.__getitem__, pieces)))
+        except KeyError:
+            pass
         out: list[int] = []
-        for piece in self._split.findall(text):
-            out.extend(self._encode_piece(piece))
+        room = len(cache) < self.cache_size
+        for piece in pieces:
+            ids = cache.get(piece)
+            if ids is None:
+                ids = self._encode_piece(piece)
+                if room:
+                    cache[piece] = ids
+            out.extend(ids)
         return out
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -43,7 +43,7 @@ class TokenizerConfig:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs {' and '.join(missing)}")
 
 
-def build_tokenizer(config: Any, *, backend: str = "rust") -> MegatronTokenizer:
+def build_tokenizer(config: Any, *, backend: str = "auto") -> MegatronTokenizer:
     """Build the tokenizer that `config` describes (raises ValueError naming the missing/bad flag)."""
     if not isinstance(config, TokenizerConfig):
         config = TokenizerConfig(

@@ -61,21 +61,98 @@ def _classify(roots: list, input_nodes: set[int], param_nodes: set[int]) -> tupl
     return to_input, to_param, nodes
 
 
-class _WeightWork:
-    """The recorded boundary gradients of one B, turned into parameter gradients at W."""
+class _Entry:
+    """One place where W re-enters the graph: a boundary node (or a root output) with the gradients it received."""
 
-    def __init__(self, edges: list[GradientEdge], grads: list[torch.Tensor], params: list[torch.nn.Parameter]) -> None:
-        self.edges, self.grads, self.params = edges, grads, params
+    __slots__ = ("node", "grads", "starts")
+
+    def __init__(self, node, grads: dict[int, torch.Tensor], starts: list) -> None:
+        self.node, self.grads, self.starts = node, grads, starts
+
+    def edges(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        nrs = sorted(self.grads)
+        return [GradientEdge(self.node, nr) for nr in nrs], [self.grads[nr] for nr in nrs]
+
+
+class _WeightWork:
+    """The recorded boundary gradients of one B, turned into parameter gradients at W.
+
+    Each group of entries whose parameter-only subgraphs ("zones") are disjoint from the others' gets its own engine
+    call, so the engine never walks from one boundary down the input path into another (that would count the lower
+    boundary's gradient twice and redo input-gradient work).  Entries whose zones overlap (a parameter used in two
+    places) share a call; there a pre-hook pins every boundary's incoming gradient to the recorded one.
+    """
+
+    def __init__(self, groups: list[tuple[list[_Entry], list[torch.nn.Parameter]]]) -> None:
+        self.groups = groups
 
     def __call__(self) -> None:
-        if not self.edges or not self.params:
-            return
+        groups, self.groups = self.groups, []  # release the graph afterwards
         with torch.enable_grad():
-            param_grads = torch.autograd.grad(self.edges, self.params, self.grads, allow_unused=True)
-        for param, grad in zip(self.params, param_grads):
-            if grad is not None:
-                accumulate_grad(param, grad)
-        self.edges, self.grads = [], []  # release the graph
+            for entries, params in groups:
+                edges: list[GradientEdge] = []
+                grads: list[torch.Tensor] = []
+                for entry in entries:
+                    e, g = entry.edges()
+                    edges += e
+                    grads += g
+                handles = [e.node.register_prehook(_pin(e.grads)) for e in entries] if len(entries) > 1 else []
+                try:
+                    param_grads = torch.autograd.grad(edges, params, grads, allow_unused=True)
+                finally:
+                    for h in handles:
+                        h.remove()
+                for param, grad in zip(params, param_grads):
+                    if grad is not None:
+                        accumulate_grad(param, grad)
+
+
+def _pin(recorded: dict[int, torch.Tensor]):
+    def hook(grad_outputs: tuple) -> tuple:
+        return tuple(recorded.get(i, g) for i, g in enumerate(grad_outputs))
+
+    return hook
+
+
+def _group_entries(
+    entries: list[_Entry], to_input: dict[int, bool], to_param: dict[int, bool], param_of: dict[int, torch.nn.Parameter]
+) -> list[tuple[list[_Entry], list[torch.nn.Parameter]]]:
+    """Union entries whose zones (parameter-only nodes reachable from their start nodes) share a node."""
+    owner: dict[int, int] = {}  # node id -> entry index that first reached it
+    parent = list(range(len(entries)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    zones: list[list[int]] = []
+    for idx, entry in enumerate(entries):
+        zone: list[int] = []
+        stack = list(entry.starts)
+        seen: set[int] = set()
+        while stack:
+            node = stack.pop()
+            key = id(node)
+            if key in seen:
+                continue
+            seen.add(key)
+            zone.append(key)
+            if key in owner:
+                a, b = find(owner[key]), find(idx)
+                if a != b:
+                    parent[b] = a
+            else:
+                owner[key] = idx
+            stack.extend(n for n in _next_nodes(node) if to_param.get(id(n)) and not to_input.get(id(n)))
+        zones.append(zone)
+    grouped: dict[int, tuple[list[_Entry], list[torch.nn.Parameter]]] = {}
+    for idx, entry in enumerate(entries):
+        group_entries, params = grouped.setdefault(find(idx), ([], []))
+        group_entries.append(entry)
+        params += [param_of[k] for k in zones[idx] if k in param_of]
+    return [(e, list({id(p): p for p in ps}.values())) for e, ps in grouped.values() if ps]
 
 
 def split_backward(
@@ -107,13 +184,12 @@ def split_backward(
         and key not in input_nodes
         and any(not to_input[id(n)] and to_param[id(n)] for n in _next_nodes(node))
     ]
-    # Roots that lead to parameters but no input: their gradient is known already; all of it is W work.
-    edges: list[GradientEdge] = []
-    grads: list[torch.Tensor] = []
+    # Roots that lead to parameters but no input: their gradient is known already; all of their backward is W.
+    entries: list[_Entry] = []
     for edge, (out, grad) in zip(root_edges, pairs):
         if not to_input[id(edge.node)] and to_param[id(edge.node)]:
-            edges.append(edge)
-            grads.append(torch.ones_like(out) if grad is None else grad)
+            g = torch.ones_like(out) if grad is None else grad
+            entries.append(_Entry(edge.node, {edge.output_nr: g}, [edge.node]))
 
     recorded: dict[int, tuple] = {}
     handles = [node.register_prehook(_recorder(recorded, id(node))) for node in boundary]
@@ -133,12 +209,13 @@ def split_backward(
         for h in handles:
             h.remove()
     for node in boundary:
-        for nr, g in enumerate(recorded.get(id(node), ())):
-            if g is not None:
-                edges.append(GradientEdge(node, nr))
-                grads.append(g)
+        grads = {nr: g for nr, g in enumerate(recorded.get(id(node), ())) if g is not None}
+        if grads:
+            starts = [n for n in _next_nodes(node) if not to_input[id(n)] and to_param[id(n)]]
+            entries.append(_Entry(node, grads, starts))
 
-    work = _WeightWork(edges, grads, params)
+    param_of = {id(get_gradient_edge(p).node): p for p in params}
+    work = _WeightWork(_group_entries(entries, to_input, to_param, param_of))
     if store is None:
         work()
     else:

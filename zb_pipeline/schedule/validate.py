@@ -29,14 +29,18 @@ from zb_pipeline.schedule.lowering import (
     SLOT_F,
     SLOT_G,
     CommBatch,
+    EventOrder,
     LoweredSchedule,
     action_deps,
     event_order,
+    kind_code,
     lower,
+    no_gc,
 )
 
-# The receive that matches each send kind, and how the stage changes from sender to receiver.
-_MATCHING_RECV = {Kind.SEND_F: (Kind.RECV_F, +1), Kind.SEND_B: (Kind.RECV_B, -1)}
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_F, _B, _BW = Kind.F, Kind.B, Kind.BW
+_COMM_KINDS = frozenset({_SEND_F, _RECV_F, _SEND_B, _RECV_B})
 _MAX_STUCK_LISTED = 4
 
 
@@ -113,88 +117,106 @@ def _fail(plan: Schedule | LoweredSchedule, message: str, rank: int | None = Non
 
 
 # --------------------------------------------------------------------------------------------- compute plan
+# Where each compute action sits: where[(stage * m + mb) * 4 + code] = its position on its stage's rank (-1: none),
+# with code 0..3 for F, B, W, BW (lowering.kind_code).  The rank is the stage's owner (checked first).
+_KIND_OF_CODE = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
 
-def _check_structure(schedule: Schedule) -> dict[tuple[int, Kind, int], tuple[int, int]]:
-    """Steps 1 and 2 of the module docstring; returns where each action sits: (stage, kind, mb) -> (rank, pos)."""
+def _check_structure(schedule: Schedule) -> list[int]:
+    """Steps 1 and 2 of the module docstring; returns ``where`` (see above)."""
     S, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
-    where: dict[tuple[int, Kind, int], tuple[int, int]] = {}
+    where = [-1] * (S * m * 4)
+
+    def at(r: int, i: int) -> str:
+        return f"rank {r} position {i} ({schedule.ranks[r][i]})"
+
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            at = f"rank {r} position {i} ({a})"
             if not isinstance(a, Action):
                 raise _fail(schedule, f"rank {r} position {i}: {a!r} is not an Action", r, i)
-            if not a.kind.is_compute:
-                raise _fail(schedule, f"{at}: plans hold compute actions only (lowering adds communication)", r, i)
-            if a.stage >= S:
-                raise _fail(schedule, f"{at}: stage {a.stage} is out of range 0..{S - 1}", r, i)
-            if a.microbatch >= m:
-                raise _fail(schedule, f"{at}: microbatch {a.microbatch} is out of range 0..{m - 1}", r, i)
-            if owner[a.stage] != r:
+            code = kind_code(a.kind)
+            s, mb = a.stage, a.microbatch
+            if code < 0:
                 raise _fail(
-                    schedule, f"{at}: stage {a.stage} lives on rank {owner[a.stage]} (stage_to_rank), not {r}", r, i
+                    schedule, f"{at(r, i)}: plans hold compute actions only (lowering adds communication)", r, i
                 )
-            key = (a.stage, a.kind, a.microbatch)
-            if key in where:
-                r0, i0 = where[key]
-                raise _fail(schedule, f"{at}: duplicate; {a} already ran at rank {r0} position {i0}", r, i)
-            where[key] = (r, i)
+            if s >= S:
+                raise _fail(schedule, f"{at(r, i)}: stage {s} is out of range 0..{S - 1}", r, i)
+            if mb >= m:
+                raise _fail(schedule, f"{at(r, i)}: microbatch {mb} is out of range 0..{m - 1}", r, i)
+            if owner[s] != r:
+                raise _fail(schedule, f"{at(r, i)}: stage {s} lives on rank {owner[s]} (stage_to_rank), not {r}", r, i)
+            key = (s * m + mb) * 4 + code
+            if where[key] >= 0:
+                raise _fail(schedule, f"{at(r, i)}: duplicate; {a} already ran at position {where[key]}", r, i)
+            where[key] = i
 
     for s in range(S):
         o = owner[s]
         for mb in range(m):
-            if (s, Kind.F, mb) not in where:
+            key = (s * m + mb) * 4
+            f, b, w, bw = where[key], where[key + 1], where[key + 2], where[key + 3]
+            if f < 0:
                 raise _fail(schedule, f"rank {o}: missing {s}F{mb} (stage {s} lives on rank {o})", o)
-            b, w, bw = where.get((s, Kind.B, mb)), where.get((s, Kind.W, mb)), where.get((s, Kind.BW, mb))
-            if bw is not None and (b is not None or w is not None):
-                r, i = b if b is not None else w
-                msg = f"rank {r} position {i} ({schedule.ranks[r][i]}): {s}BW{mb} at position {bw[1]} already does it"
-                raise _fail(schedule, msg, r, i)
-            if bw is None:
-                if b is None and w is None:
-                    raise _fail(
-                        schedule,
-                        f"rank {o}: missing the backward of stage {s} microbatch {mb} "
-                        f"(neither {s}BW{mb} nor {s}B{mb} + {s}W{mb})",
-                        o,
-                    )
-                if w is None:
-                    raise _fail(
-                        schedule, f"rank {o} position {b[1]} ({s}B{mb}): missing {s}W{mb} (a B needs its W)", o, b[1]
-                    )
-                if b is None:
-                    raise _fail(
-                        schedule, f"rank {o} position {w[1]} ({s}W{mb}): missing {s}B{mb} (a W needs its B)", o, w[1]
-                    )
+            if bw >= 0 and (b >= 0 or w >= 0):
+                i = b if b >= 0 else w
+                raise _fail(schedule, f"{at(o, i)}: {s}BW{mb} at position {bw} already does this work", o, i)
+            if bw < 0:
+                if b < 0 and w < 0:
+                    msg = f"rank {o}: missing the backward of {s}F{mb} (neither {s}BW{mb} nor {s}B{mb} + {s}W{mb})"
+                    raise _fail(schedule, msg, o)
+                if w < 0:
+                    raise _fail(schedule, f"{at(o, b)}: missing {s}W{mb} (every B needs its W)", o, b)
+                if b < 0:
+                    raise _fail(schedule, f"{at(o, w)}: missing {s}B{mb} (every W needs its B)", o, w)
 
-    # Dependencies between actions of the same rank, by position.
-    for r, acts in enumerate(schedule.ranks):
-        for i, a in enumerate(acts):
-            for key in action_deps(a.kind, a.stage, a.microbatch, S, m):
-                dep = _event_action(key, m, where)
-                dr, di = where[dep]
-                if dr == r and di > i:
-                    raise _fail(
-                        schedule,
-                        f"rank {r} position {i} ({a}): comes before {_spell(dep)} (position {di}) that it depends on",
-                        r,
-                        i,
-                    )
     return where
 
 
-def _event_action(key: int, m: int, where: dict) -> tuple[int, Kind, int]:
-    sm, slot = divmod(key, 3)
-    s, mb = divmod(sm, m)
+def _check_dependencies(schedule: Schedule, where: list[int]) -> EventOrder:
+    """Steps 2 and 3: run the plan once; if it gets stuck, say why (a misordered rank, else a cross-rank cycle)."""
+    order = event_order(schedule)
+    if not order.stuck:
+        return order
+    S, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
+    # An action placed before something it needs on its own rank is the most specific diagnosis.
+    for r, acts in enumerate(schedule.ranks):
+        for i, a in enumerate(acts):
+            for ev in action_deps(a.kind, a.stage, a.microbatch, S, m):
+                key = _event_action(ev, where)
+                if owner[key // 4 // m] == r and where[key] > i:
+                    msg = (
+                        f"rank {r} position {i} ({a}): comes before {_spell(key, m)} (position {where[key]}) "
+                        "that it depends on"
+                    )
+                    raise _fail(schedule, msg, r, i)
+    parts = []
+    for r, i, event in order.stuck[:_MAX_STUCK_LISTED]:
+        key = _event_action(event, where)
+        parts.append(
+            f"rank {r} position {i} ({schedule.ranks[r][i]}) waits for {_spell(key, m)} "
+            f"(rank {owner[key // 4 // m]} position {where[key]})"
+        )
+    more = len(order.stuck) - _MAX_STUCK_LISTED
+    tail = f"; ... and {more} more ranks" if more > 0 else ""
+    r0, i0, _ = order.stuck[0]
+    raise _fail(schedule, "dependency cycle across ranks (deadlock): " + "; ".join(parts) + tail, r0, i0)
+
+
+def _event_action(event: int, where: list[int]) -> int:
+    """The ``where`` key of the action whose end is lowering's event key ``event``."""
+    sm, slot = divmod(event, 3)
     if slot == SLOT_F:
-        return (s, Kind.F, mb)
+        return sm * 4
     if slot == SLOT_G:
-        return (s, Kind.B, mb) if (s, Kind.B, mb) in where else (s, Kind.BW, mb)
-    return (s, Kind.W, mb)
+        return sm * 4 + 1 if where[sm * 4 + 1] >= 0 else sm * 4 + 3
+    return sm * 4 + 2
 
 
-def _spell(key: tuple[int, Kind, int]) -> str:
-    return f"{key[0]}{key[1].value}{key[2]}"
+def _spell(key: int, m: int) -> str:
+    sm, code = divmod(key, 4)
+    s, mb = divmod(sm, m)
+    return f"{s}{_KIND_OF_CODE[code].value}{mb}"
 
 
 def validate(schedule: Schedule, *, costs: StageCosts | None = None, mem_limit: float | None = None) -> LoweredSchedule:
@@ -203,23 +225,10 @@ def validate(schedule: Schedule, *, costs: StageCosts | None = None, mem_limit: 
     Without ``costs`` the memory model is the default one: ``mem_f = 1`` for a rank's whole share of layers
     (``1 / chunks`` per virtual stage), ``mem_b = 0``, ``mem_w = -mem_f``.
     """
-    where = _check_structure(schedule)
-    m = schedule.num_microbatches
-    order = event_order(schedule)
-    if order.stuck:
-        parts = []
-        for r, i, key in order.stuck[:_MAX_STUCK_LISTED]:
-            dep = _event_action(key, m, where)
-            dr, di = where[dep]
-            parts.append(
-                f"rank {r} position {i} ({schedule.ranks[r][i]}) waits for {_spell(dep)} (rank {dr} position {di})"
-            )
-        more = len(order.stuck) - _MAX_STUCK_LISTED
-        tail = f"; ... and {more} more ranks" if more > 0 else ""
-        r0, i0, _ = order.stuck[0]
-        raise _fail(schedule, "dependency cycle across ranks (deadlock): " + "; ".join(parts) + tail, r0, i0)
-    lowered = lower(schedule, order=order)
-    _check_lowered(lowered)
+    with no_gc():
+        order = _check_dependencies(schedule, _check_structure(schedule))
+        lowered = lower(schedule, order=order)
+        _check_lowered(lowered)
     if mem_limit is not None:
         if costs is None:
             costs = StageCosts.build(
@@ -232,9 +241,10 @@ def validate(schedule: Schedule, *, costs: StageCosts | None = None, mem_limit: 
 # --------------------------------------------------------------------------------------------------- memory
 
 
-def _mem_deltas(costs: StageCosts) -> dict[Kind, Sequence[float]]:
+def _mem_deltas(costs: StageCosts) -> tuple[Sequence[float], ...]:
+    """Memory deltas indexed by ``kind_code`` (F, B, W, BW), then by stage."""
     bw = tuple(b + w for b, w in zip(costs.mem_b, costs.mem_w))
-    return {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w, Kind.BW: bw}
+    return (costs.mem_f, costs.mem_b, costs.mem_w, bw)
 
 
 def _check_costs(schedule: Schedule, costs: StageCosts) -> None:
@@ -253,8 +263,9 @@ def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
     for acts in schedule.ranks:
         cur = peak = 0.0
         for a in acts:
-            if a.kind.is_compute:
-                cur += delta[a.kind][a.stage]
+            code = kind_code(a.kind)
+            if code >= 0:
+                cur += delta[code][a.stage]
                 if cur > peak:
                     peak = cur
         peaks.append(peak)
@@ -275,7 +286,7 @@ def _check_memory(schedule: Schedule, costs: StageCosts, mem_limit: float) -> No
             cur = 0.0
             first = None
             for i, a in enumerate(schedule.ranks[r]):
-                cur += delta[a.kind][a.stage]
+                cur += delta[kind_code(a.kind)][a.stage]
                 if cur > mem_limit + tol:
                     first = i
                     break
@@ -294,19 +305,22 @@ def _check_memory(schedule: Schedule, costs: StageCosts, mem_limit: float) -> No
 
 def validate_lowered(lowered: LoweredSchedule) -> None:
     """Check a lowered plan (for instance a hand-made one): its compute plan, then its communication."""
-    _check_structure(lowered.schedule)
-    _check_lowered(lowered)
+    with no_gc():
+        _check_dependencies(lowered.schedule, _check_structure(lowered.schedule))
+        _check_lowered(lowered)
 
 
-def _transfer_of(a: Action) -> tuple[Kind, int, int]:
-    """The hand-off a comm op belongs to, named by its producer: (F or G, producing stage, mb)."""
-    if a.kind is Kind.SEND_F:
-        return (Kind.F, a.stage, a.microbatch)
-    if a.kind is Kind.RECV_F:
-        return (Kind.F, a.stage - 1, a.microbatch)
-    if a.kind is Kind.SEND_B:
-        return (Kind.B, a.stage, a.microbatch)
-    return (Kind.B, a.stage + 1, a.microbatch)  # RECV_B
+def _transfer_id(kind: Kind, stage: int, mb: int, m: int) -> int:
+    """The hand-off a comm op belongs to: (producing stage * m + mb) * 2 + (0 forward, 1 backward); -1 if not comm."""
+    if kind is _SEND_F:
+        return (stage * m + mb) * 2
+    if kind is _RECV_F:
+        return ((stage - 1) * m + mb) * 2
+    if kind is _SEND_B:
+        return (stage * m + mb) * 2 + 1
+    if kind is _RECV_B:
+        return ((stage + 1) * m + mb) * 2 + 1
+    return -1
 
 
 def _check_lowered(lowered: LoweredSchedule) -> None:
@@ -316,138 +330,153 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
     if len(lowered.ranks) != p:
         raise _fail(lowered, f"lowered plan has {len(lowered.ranks)} ranks, its schedule {p}")
 
-    # Per rank: the step at which each compute action sits; each op's location.
-    step_of: list[dict[tuple[Kind, int, int], int]] = []  # (F or G, stage, mb) -> step
-    sends: dict[tuple[int, int], list[tuple[int, int, Action]]] = {}  # (src, dst) -> [(step, slot, op)]
-    recvs: dict[tuple[int, int], list[tuple[int, int, Action]]] = {}  # (src, dst) -> [(step, slot, op)]
-    seen_ops: dict[tuple[Kind, int, int, bool], tuple[int, int]] = {}
+    # The step of each compute action in the lowered plan: fstep for F, gstep for B/BW (index stage * m + mb).
+    fstep, gstep = [-1] * (S * m), [-1] * (S * m)
     for r, steps in enumerate(lowered.ranks):
-        compute = [st for st in steps if isinstance(st, Action)]
+        compute = [st for st in steps if type(st) is not CommBatch]
         if tuple(compute) != sched.ranks[r]:
-            j = next(
-                (k for k, (x, y) in enumerate(zip(compute, sched.ranks[r])) if x != y),
-                min(len(compute), len(sched.ranks[r])),
-            )
-            step = [k for k, st in enumerate(steps) if isinstance(st, Action)]
-            idx = step[j] if j < len(step) else None
-            raise _fail(
-                lowered,
-                f"rank {r}: the lowered plan's compute actions differ from the schedule's at compute position {j}",
-                r,
-                idx,
-            )
-        where: dict[tuple[Kind, int, int], int] = {}
+            n = min(len(compute), len(sched.ranks[r]))
+            k = next((k for k in range(n) if compute[k] != sched.ranks[r][k]), n)
+            idx = [j for j, st in enumerate(steps) if type(st) is not CommBatch]
+            msg = f"rank {r}: the lowered plan's compute actions differ from the schedule's at compute position {k}"
+            raise _fail(lowered, msg, r, idx[k] if k < len(idx) else None)
         for j, st in enumerate(steps):
-            if isinstance(st, Action):
-                if st.kind.is_comm:
-                    raise _fail(lowered, f"rank {r} step {j} ({st}): communication must sit inside a CommBatch", r, j)
-                kind = Kind.F if st.kind is Kind.F else (Kind.B if st.kind in (Kind.B, Kind.BW) else Kind.W)
-                where[(kind, st.stage, st.microbatch)] = j
+            if type(st) is CommBatch:
+                if not st.actions:
+                    raise _fail(lowered, f"rank {r} step {j}: empty CommBatch", r, j)
                 continue
-            if not isinstance(st, CommBatch) or not st.actions:
-                raise _fail(
-                    lowered, f"rank {r} step {j} ({st!r}): expected a compute Action or a non-empty CommBatch", r, j
-                )
-        step_of.append(where)
+            kind = st.kind
+            if kind is _F:
+                fstep[st.stage * m + st.microbatch] = j
+            elif kind is _B or kind is _BW:
+                gstep[st.stage * m + st.microbatch] = j
 
+    # Each op: right rank and peer, a send after its producer, a receive before its consumer, nothing twice.
+    # (Fast path here; _bad_op says what exactly is wrong.)
+    big = 1 << 32
+    sent, recvd = [-1] * (S * m * 2), [-1] * (S * m * 2)  # transfer id -> rank * big + step
+    sends = [[[] for _ in range(p)] for _ in range(p)]  # [src][dst] -> [(transfer id, step, slot)] in order
+    recvs = [[[] for _ in range(p)] for _ in range(p)]  # [src][dst] -> [(transfer id, step, slot)] in order
+    partner: list[list[list | None]] = [[None] * len(steps) for steps in lowered.ranks]
     for r, steps in enumerate(lowered.ranks):
+        sends_r = sends[r]
         for j, st in enumerate(steps):
-            if not isinstance(st, CommBatch):
+            if type(st) is not CommBatch:
                 continue
+            partner[r][j] = [None] * len(st.actions)
             for slot, a in enumerate(st.actions):
-                at = f"rank {r} step {j} ({a})"
-                if not isinstance(a, Action) or a.kind not in _COMM_KINDS:
-                    raise _fail(lowered, f"{at}: a CommBatch holds only SEND_F/RECV_F/SEND_B/RECV_B actions", r, j)
-                s, mb, peer = a.stage, a.microbatch, a.peer
-                if s >= S or mb >= m:
-                    raise _fail(lowered, f"{at}: stage or microbatch out of range (S={S}, m={m})", r, j)
-                if owner[s] != r:
-                    raise _fail(lowered, f"{at}: stage {s} lives on rank {owner[s]}, not {r}", r, j)
-                other = s + 1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else s - 1
-                if not 0 <= other < S:
-                    raise _fail(lowered, f"{at}: stage {s} has no neighbour stage {other} to talk to", r, j)
-                if owner[other] == r:
-                    raise _fail(lowered, f"{at}: stage {other} is on the same rank; that hand-off is local", r, j)
-                if peer != owner[other]:
-                    raise _fail(lowered, f"{at}: peer should be rank {owner[other]} (owner of stage {other})", r, j)
-                is_send = a.kind in _MATCHING_RECV
-                tkind, ps, _ = transfer = _transfer_of(a)
-                dup_key = (*transfer, is_send)
-                if dup_key in seen_ops:
-                    r0, j0 = seen_ops[dup_key]
-                    raise _fail(lowered, f"{at}: duplicate; the same op is already at rank {r0} step {j0}", r, j)
-                seen_ops[dup_key] = (r, j)
-                # A send goes after the action that produced its data; a receive before the one that consumes it.
-                if is_send:
-                    prod = step_of[r].get((tkind, ps, mb))
-                    if prod is None or prod > j:
-                        what = f"{ps}F{mb}" if tkind is Kind.F else f"the backward of stage {ps} microbatch {mb}"
-                        raise _fail(lowered, f"{at}: sent before {what} produced it", r, j)
-                    sends.setdefault((r, peer), []).append((j, slot, a))
+                if type(a) is not Action:
+                    raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
+                kind, s, mb, peer = a.kind, a.stage, a.microbatch, a.peer
+                sm = s * m + mb
+                if kind is _SEND_F:
+                    other, tid, data, is_send = s + 1, sm * 2, fstep, True
+                elif kind is _RECV_F:
+                    other, tid, data, is_send = s - 1, (sm - m) * 2, fstep, False
+                elif kind is _SEND_B:
+                    other, tid, data, is_send = s - 1, sm * 2 + 1, gstep, True
+                elif kind is _RECV_B:
+                    other, tid, data, is_send = s + 1, (sm + m) * 2 + 1, gstep, False
                 else:
-                    cons = step_of[r].get((tkind, s, mb))
-                    if cons is not None and cons < j:
-                        raise _fail(lowered, f"{at}: received after its consumer at step {cons} already ran", r, j)
-                    recvs.setdefault((peer, r), []).append((j, slot, a))
+                    raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
+                if s >= S or mb >= m or not 0 <= other < S or owner[s] != r or owner[other] != peer or peer == r:
+                    raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
+                if is_send:
+                    if sent[tid] >= 0 or data[sm] > j:
+                        raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
+                    sent[tid] = r * big + j
+                    sends_r[peer].append((tid, j, slot))
+                else:
+                    if recvd[tid] >= 0 or data[sm] < j:
+                        raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
+                    recvd[tid] = r * big + j
+                    recvs[peer][r].append((tid, j, slot))
 
-    # Every hand-off between ranks is communicated: its consumer has a receive and its producer a send.
+    # Every hand-off between ranks is communicated: a send at its producer, a receive at its consumer.
     for s in range(S):
-        for nxt, tkind, sk, rk in (
-            (s + 1, Kind.F, Kind.SEND_F, Kind.RECV_F),
-            (s - 1, Kind.B, Kind.SEND_B, Kind.RECV_B),
-        ):
-            if not 0 <= nxt < S or owner[nxt] == owner[s]:
-                continue
-            for mb in range(m):
-                if (tkind, s, mb, True) not in seen_ops:
-                    r = owner[s]
-                    j = step_of[r].get((tkind, s, mb))
-                    raise _fail(
-                        lowered,
-                        f"rank {r} step {j} ({_step_str(lowered, r, j)}): its output goes to "
-                        f"rank {owner[nxt]} but there is no {s}{sk.value}{mb}@{owner[nxt]}",
-                        r,
-                        j,
-                    )
-                if (tkind, s, mb, False) not in seen_ops:
-                    r = owner[nxt]
-                    j = step_of[r].get((Kind.F if tkind is Kind.F else Kind.B, nxt, mb))
-                    raise _fail(
-                        lowered,
-                        f"rank {r} step {j} ({_step_str(lowered, r, j)}): needs data from rank "
-                        f"{owner[s]} but there is no {nxt}{rk.value}{mb}@{owner[s]} before it",
-                        r,
-                        j,
-                    )
+        for mb in range(m):
+            if s + 1 < S and owner[s + 1] != owner[s]:
+                tid = (s * m + mb) * 2
+                r, q = owner[s], owner[s + 1]
+                if sent[tid] < 0:
+                    j = fstep[s * m + mb]
+                    msg = f"rank {r} step {j} ({s}F{mb}): no {s}SEND_F{mb}@{q} sends its output to rank {q}"
+                    raise _fail(lowered, msg, r, j)
+                if recvd[tid] < 0:
+                    j = fstep[(s + 1) * m + mb]
+                    msg = f"rank {q} step {j} ({s + 1}F{mb}): no {s + 1}RECV_F{mb}@{r} receives its input before it"
+                    raise _fail(lowered, msg, q, j)
+            if s > 0 and owner[s - 1] != owner[s]:
+                tid = (s * m + mb) * 2 + 1
+                r, q = owner[s], owner[s - 1]
+                if sent[tid] < 0:
+                    j = gstep[s * m + mb]
+                    msg = f"rank {r} step {j} ({lowered.ranks[r][j]}): no {s}SEND_B{mb}@{q} sends its input gradient"
+                    raise _fail(lowered, msg, r, j)
+                if recvd[tid] < 0:
+                    j = gstep[(s - 1) * m + mb]
+                    msg = f"rank {q} step {j} ({lowered.ranks[q][j]}): no {s - 1}RECV_B{mb}@{r} receives its gradient"
+                    raise _fail(lowered, msg, q, j)
 
-    # Order: the k-th send from src to dst is the k-th receive at dst from src.
-    partner: dict[tuple[int, int, int], tuple[int, int, int]] = {}  # (rank, step, slot) -> the same of its match
-    for (src, dst), sl in sends.items():
-        rl = recvs.get((src, dst), [])
-        for k, ((js, ss, sa), (jr, sr, ra)) in enumerate(zip(sl, rl)):
-            if _transfer_of(sa) != _transfer_of(ra):
-                raise _fail(
-                    lowered,
-                    f"rank {dst} step {jr} ({ra}): receive #{k} from rank {src} is matched (by order, no tags) with "
-                    f"send #{k} of rank {src} to rank {dst}, which is {sa} (rank {src} step {js}): the two sides "
-                    "post their transfers in different orders",
-                    dst,
-                    jr,
-                )
-            partner[(src, js, ss)] = (dst, jr, sr)
-            partner[(dst, jr, sr)] = (src, js, ss)
+    # Order: the k-th send from src to dst is matched with the k-th receive at dst from src.  (Both lists have the
+    # same length here: every transfer has exactly one send and one receive.)
+    for src in range(p):
+        for dst in range(p):
+            for k, ((ts, js, ss), (tr, jr, sr)) in enumerate(zip(sends[src][dst], recvs[src][dst])):
+                if ts != tr:
+                    sa, ra = lowered.ranks[src][js].actions[ss], lowered.ranks[dst][jr].actions[sr]
+                    msg = (
+                        f"rank {dst} step {jr} ({ra}): receive #{k} from rank {src} is matched (by order, no tags) "
+                        f"with send #{k} from rank {src} to rank {dst}, which is {sa} (rank {src} step {js}): the two "
+                        "sides post their transfers in different orders"
+                    )
+                    raise _fail(lowered, msg, dst, jr)
+                partner[src][js][ss] = (dst, jr, sr)
+                partner[dst][jr][sr] = (src, js, ss)
 
     _simulate_strict(lowered, partner)
 
 
-_COMM_KINDS = frozenset(_MATCHING_RECV) | {Kind.RECV_F, Kind.RECV_B}
+def _bad_op(
+    lowered: LoweredSchedule, r: int, j: int, a: object, fstep: list[int], gstep: list[int], sent: list, recvd: list
+) -> ScheduleError:
+    """Say what is wrong with comm op ``a`` at rank ``r`` step ``j`` (the fast path found something)."""
+    sched = lowered.schedule
+    S, m, owner = sched.num_stages, sched.num_microbatches, sched.stage_to_rank
+
+    def bad(reason: str) -> ScheduleError:
+        return _fail(lowered, f"rank {r} step {j} ({a}): {reason}", r, j)
+
+    if not isinstance(a, Action) or a.kind not in _COMM_KINDS:
+        return bad("a CommBatch holds only SEND_F/RECV_F/SEND_B/RECV_B actions")
+    kind, s, mb, peer = a.kind, a.stage, a.microbatch, a.peer
+    if s >= S or mb >= m:
+        return bad(f"stage or microbatch out of range ({S=}, {m=})")
+    if owner[s] != r:
+        return bad(f"stage {s} lives on rank {owner[s]}, not {r}")
+    other = s + 1 if kind in (Kind.SEND_F, Kind.RECV_B) else s - 1
+    if not 0 <= other < S:
+        return bad(f"stage {s} has no neighbour stage {other} to talk to")
+    if owner[other] == r:
+        return bad(f"stage {other} is on the same rank, so this hand-off is local (no communication)")
+    if peer != owner[other]:
+        return bad(f"the peer must be rank {owner[other]}, the owner of stage {other}")
+    is_send = kind in (Kind.SEND_F, Kind.SEND_B)
+    tid = _transfer_id(kind, s, mb, m)
+    seen = (sent if is_send else recvd)[tid]
+    if seen >= 0:
+        return bad(f"duplicate; the same transfer is already at step {seen % (1 << 32)}")
+    step = (fstep if kind in (Kind.SEND_F, Kind.RECV_F) else gstep)[s * m + mb]
+    if is_send:
+        return bad(f"sent before the action that produces it (step {step})")
+    return bad(f"received after the action that needs it (step {step})")
 
 
 def _step_str(lowered: LoweredSchedule, r: int, j: int | None) -> str:
     return "?" if j is None or j >= len(lowered.ranks[r]) else str(lowered.ranks[r][j])
 
 
-def _simulate_strict(lowered: LoweredSchedule, partner: dict[tuple[int, int, int], tuple[int, int, int]]) -> None:
+def _simulate_strict(lowered: LoweredSchedule, partner: list[list[list | None]]) -> None:
     """Run the strict model (no buffering; a batch blocks its rank until all of its ops completed)."""
     ranks = lowered.ranks
     p = len(ranks)
@@ -459,41 +488,41 @@ def _simulate_strict(lowered: LoweredSchedule, partner: dict[tuple[int, int, int
         r = work.pop()
         steps = ranks[r]
         n = len(steps)
-        while ptr[r] < n:
-            st = steps[ptr[r]]
-            if not isinstance(st, CommBatch):
-                ptr[r] += 1
+        j = ptr[r]
+        while j < n:
+            links = partner[r][j]
+            if links is None:  # compute: never blocks
+                j += 1
                 continue
             if posted[r]:
                 if pending[r]:
                     break
                 posted[r] = False
-                ptr[r] += 1
+                j += 1
                 continue
             # Post the batch: every op whose partner is already posted completes now, on both sides.
             posted[r] = True
-            pending[r] = len(st.actions)
-            j = ptr[r]
-            for slot in range(len(st.actions)):
-                q, jq, _ = partner[(r, j, slot)]
+            pending[r] = len(links)
+            ptr[r] = j
+            for q, jq, _ in links:
                 if posted[q] and ptr[q] == jq:
                     pending[r] -= 1
                     pending[q] -= 1
                     if pending[q] == 0:
                         work.append(q)
+        ptr[r] = j
     blocked = [r for r in range(p) if ptr[r] < len(ranks[r])]
     if not blocked:
         return
     parts = []
     for r in blocked[:_MAX_STUCK_LISTED]:
         j = ptr[r]
-        st = ranks[r][j]
-        for slot, a in enumerate(st.actions):
-            q, jq, sq = partner[(r, j, slot)]
+        for slot, (q, jq, sq) in enumerate(partner[r][j]):
             if not (posted[q] and ptr[q] == jq):
                 parts.append(
-                    f"rank {r} step {j} ({a}) waits for rank {q} to post {ranks[q][jq].actions[sq]} at its step {jq}, "
-                    f"but rank {q} is blocked at step {ptr[q]} ({_step_str(lowered, q, ptr[q])})"
+                    f"rank {r} step {j} ({ranks[r][j].actions[slot]}) waits for rank {q} to post "
+                    f"{ranks[q][jq].actions[sq]} at its step {jq}, but rank {q} is blocked at step {ptr[q]} "
+                    f"({_step_str(lowered, q, ptr[q])})"
                 )
                 break
     more = len(blocked) - _MAX_STUCK_LISTED

@@ -72,7 +72,7 @@ def one_f_one_b(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit
 
 def interleaved_order(p: int, m: int, chunks: int) -> list[tuple[int, int]]:
     """The (microbatch, chunk) order of forwards on every rank: groups of p microbatches, chunk by chunk."""
-    starts = [0] + list(range(m % p or p, m, p))
+    starts = list(range(0, m, p))
     order = []
     for g, first in enumerate(starts):
         group = range(first, starts[g + 1] if g + 1 < len(starts) else m)
@@ -100,10 +100,13 @@ def interleaved_1f1b(p: int, m: int, *, chunks: int = 2, costs: StageCosts, mem_
     bwd = [(mb, chunks - 1 - c) for mb, c in fwd]
     total = len(fwd)
     first_last_chunk = fwd.index((0, chunks - 1))  # forwards before the one the first backward needs
-    trip = 2 if chunks > 1 else 1  # one chunk: plain 1F1B's warm-up p - r - 1
+    smallest_group = min(p, m - (m - 1) // p * p)
+    import os
+    K = int(os.environ.get("KK", "0"))
     ranks = []
     for r in range(p):
-        warmup = min(total, first_last_chunk + trip * (p - r - 1))
+        extra = 0 if chunks == 1 else min(p - r - 1, smallest_group + K)
+        warmup = min(total, first_last_chunk + (p - r - 1) + extra)
         acts = [F(c * p + r, mb) for mb, c in fwd[:warmup]]
         for i in range(total - warmup):
             mb, c = fwd[warmup + i]

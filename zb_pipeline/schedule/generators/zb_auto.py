@@ -1,1 +1,448 @@
-"""Schedule generators (being written)."""
+"""``zb-auto``: search for the split-backward plan with the smallest makespan under a per-rank memory limit.
+
+The search plans from the costs of every virtual stage as given (``T_F``, ``T_B``, ``T_W`` per stage and
+``T_comm``): a first stage that embeds tokens or a last stage that carries the output head keeps its own cost.
+
+How it searches
+---------------
+The building block is a *list scheduler*: an event-driven pass over time in which every rank, whenever it is free,
+picks its next action by a policy, and the pass records what it picked (the plan) together with when everything
+ran (the plan's simulated timing under the same model as ``simulate.py``).  A pass is O(actions log p).
+
+The policy of rank ``r`` at time ``t``:
+
+1. its next ``B`` if the input gradient has arrived (after a ``W`` first when the ``B`` would overrun the cap);
+2. else its next ``F`` if the activation has arrived, the rank has room for it (memory after the ``F`` plus the
+   ``B`` that will follow stays within the cap) and the rank's *warm-up budget* allows it (at most ``warm[r]``
+   forwards before its first ``B``); with ``f_fits`` only if the ``F`` ends before the next ``B`` is due;
+3. else its oldest pending ``W`` if it ends no later than ``theta_w * T_W`` after the next ``B`` is due (or when it
+   is not known yet when that ``B`` will come);
+4. else it waits for the next arrival.
+
+Each policy variant is one pass; the search runs a family of variants -- warm-up budgets (none, the number of
+forwards that fit before the first gradient returns computed from the real per-stage costs, rounded both ways,
+and 1F1B's ``p - r``), W thresholds ``theta_w`` in {0, 1/2, 1, inf} and both ``f_fits`` settings -- and keeps the
+plan with the smallest makespan (ties: the earlier variant).  Then a local improvement pass tries to lower the
+warm-up budget of single ranks of the best variant and keeps any change that shortens the makespan.
+
+Memory limit
+------------
+``mem_limit`` is per rank in the units of the memory deltas.  ``None`` means 2p - 1 microbatches' worth:
+``(2p - 1) * max(mem_f, mem_f + mem_b)`` of the rank's stage, ZB-H2's budget.  A limit below one microbatch
+(``max(mem_f, mem_f + mem_b)`` on some rank) can serve no plan: ``ValueError`` names the smallest limit that works.
+
+Speed
+-----
+The passes run in C++ (``zb_pipeline.schedule._zb_auto_cpp``, built from ``csrc/zb_auto_search.cpp``) when the
+extension is built, else in the Python reference below; both give identical plans (tested).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Action, Kind, Schedule, loop_placement
+from zb_pipeline.schedule.registry import register
+
+try:  # the compiled passes; the Python reference below is the fallback
+    from zb_pipeline.schedule import _zb_auto_cpp as _cpp
+except ImportError:  # pragma: no cover - depends on the build
+    _cpp = None
+
+INF = math.inf
+_EPS = 1e-9
+# Action codes in the flat per-rank plans the passes produce: kind * m + microbatch.
+_F, _B, _W = 0, 1, 2
+_KINDS = (Kind.F, Kind.B, Kind.W)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One variant of the list scheduler (see the module docstring)."""
+
+    warm: tuple[int, ...]  # per rank: most forwards before its first B
+    ahead: tuple[int, ...]  # per rank: when both are ready, F goes first while fewer than ahead[r] await their B
+    lag: tuple[int, ...]  # per rank: a W goes before any F once more than lag[r] W's are pending
+    theta_w: float  # W may delay a due B by at most theta_w * T_W
+    f_fits: bool  # F only if it ends before the next B is due
+    guard: bool  # W's also keep clear of arrivals not decided yet (at the earliest they could come)
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class StageArrays:
+    """Per-rank (= per-stage, one chunk) costs, memory deltas and caps as plain float lists for the passes."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: float
+    mem_f: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    cap: tuple[float, ...]
+
+    @classmethod
+    def of(cls, costs: StageCosts, cap: Sequence[float]) -> StageArrays:
+        return cls(costs.f, costs.b, costs.w, costs.comm, costs.mem_f, costs.mem_b, costs.mem_w, tuple(cap))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The plan the search chose, its simulated makespan, the variant that made it, and how many passes ran."""
+
+    schedule: Schedule
+    makespan: float
+    policy: Policy
+    passes: int
+    backend: str
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The list scheduler (Python reference; csrc/zb_auto_search.cpp mirrors it operation for operation)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def list_schedule_py(
+    m: int,
+    st: StageArrays,
+    warm: Sequence[int],
+    ahead: Sequence[int],
+    lag: Sequence[int],
+    theta_w: float,
+    f_fits: bool,
+    guard: bool,
+) -> tuple[list[list[int]], float]:
+    """One pass of the list scheduler: per-rank action codes (kind * m + mb) and the makespan."""
+    p = len(st.f)
+    f, b, w, c = st.f, st.b, st.w, st.comm
+    mf, mb, mw, cap = st.mem_f, st.mem_b, st.mem_w, st.cap
+    f_end = [[INF] * m for _ in range(p)]
+    b_end = [[INF] * m for _ in range(p)]
+    nf = [0] * p
+    nb = [0] * p
+    nw = [0] * p
+    mem = [0.0] * p
+    free = [0.0] * p
+    first = [INF] * p
+    wake = [INF] * p
+    plans: list[list[int]] = [[] for _ in range(p)]
+    heap: list[tuple[float, int]] = [(0.0, 0)]
+    wake[0] = 0.0
+    last = p - 1
+    while heap:
+        t, neg_r = heapq.heappop(heap)
+        r = -neg_r
+        if t != wake[r]:
+            continue  # superseded by an earlier wake-up
+        wake[r] = INF
+        k = nb[r]
+        tb = INF  # when the next B may start (INF: not known yet)
+        if k < nf[r]:
+            tb = f_end[r][k] if r == last else max(f_end[r][k], b_end[r + 1][k] + c)
+        j = nf[r]
+        tf = INF
+        f_room = False
+        if j < m:
+            tf = 0.0 if r == 0 else f_end[r - 1][j] + c
+            f_room = mem[r] + mf[r] + max(0.0, mb[r]) <= cap[r] + _EPS and (k > 0 or j < warm[r])
+        has_w = nw[r] < k
+        act = -1
+        f_now = f_room and tf <= t
+        if tb <= t and not (f_now and j - k < ahead[r]):
+            act = _W if (has_w and mem[r] + mb[r] > cap[r] + _EPS) else _B
+        elif has_w and k - nw[r] > lag[r]:
+            act = _W
+        elif f_now and (tb <= t or not f_fits or tb == INF or t + f[r] <= tb):
+            act = _F
+        elif has_w:
+            # The next B or admissible F a W would delay; with ``guard`` an arrival not decided yet counts as
+            # the earliest it could be (its producer starting it now or when it is free).
+            due_b = tb
+            if guard and due_b == INF and k < j:
+                due_b = max(t, free[r + 1]) + b[r + 1] + c
+            due_f = INF
+            if f_room:
+                due_f = tf
+                if guard and due_f == INF:
+                    due_f = max(t, free[r - 1]) + f[r - 1] + c
+            due = due_f if due_f < due_b else due_b
+            if due == INF or t + w[r] <= due + theta_w * w[r]:
+                act = _W
+        if act < 0:  # wait for the next arrival we know of; others notify us when they are decided
+            nxt = tb if tb > t else INF
+            if f_room and t < tf < nxt:
+                nxt = tf
+            if nxt < INF:
+                wake[r] = nxt
+                heapq.heappush(heap, (nxt, -r))
+            continue
+        if act == _F:
+            end = t + f[r]
+            f_end[r][j] = end
+            nf[r] = j + 1
+            mem[r] += mf[r]
+            plans[r].append(j)
+            if first[r] == INF:
+                first[r] = t
+            q = r + 1
+            if q < p and nf[q] == j:  # the next rank may be waiting for this activation
+                at = max(end + c, free[q])
+                if at < wake[q]:
+                    wake[q] = at
+                    heapq.heappush(heap, (at, -q))
+        elif act == _B:
+            end = t + b[r]
+            b_end[r][k] = end
+            nb[r] = k + 1
+            mem[r] += mb[r]
+            plans[r].append(m + k)
+            q = r - 1
+            if q >= 0 and nb[q] == k and nf[q] > k:  # the previous rank may be waiting for this gradient
+                at = max(end + c, free[q])
+                if at < wake[q]:
+                    wake[q] = at
+                    heapq.heappush(heap, (at, -q))
+        else:
+            end = t + w[r]
+            i = nw[r]
+            nw[r] = i + 1
+            mem[r] += mw[r]
+            plans[r].append(2 * m + i)
+        free[r] = end
+        if end < wake[r]:
+            wake[r] = end
+            heapq.heappush(heap, (end, -r))
+    for r in range(p):
+        if nw[r] != m:  # cannot happen with cap >= one microbatch; a loud guard against a broken policy
+            raise RuntimeError(f"zb-auto list scheduler stalled on rank {r} ({nf[r]} F, {nb[r]} B, {nw[r]} W of {m})")
+    makespan = max(free[r] - first[r] for r in range(p))
+    return plans, makespan
+
+
+def evaluate_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> float:
+    """Makespan of fixed per-rank plans (codes as above) under ``st``'s costs: the simulator's timing, fast.
+
+    Each rank's clock is the end of its last action; an action starts at the later of its rank's clock and its
+    dependencies' ends (+ comm across ranks).  Ranks are swept until all finish (a stuck sweep raises).
+    """
+    p = len(st.f)
+    f, b, w, c = st.f, st.b, st.w, st.comm
+    f_end = [[INF] * m for _ in range(p)]
+    b_end = [[INF] * m for _ in range(p)]
+    pos = [0] * p
+    clock = [0.0] * p
+    first = [INF] * p
+    remaining = p
+    while remaining:
+        progressed = False
+        remaining = 0
+        for r in range(p):
+            plan = plans[r]
+            i, t = pos[r], clock[r]
+            while i < len(plan):
+                kind, mb_ = divmod(plan[i], m)
+                if kind == _F:
+                    dep = 0.0 if r == 0 else f_end[r - 1][mb_] + c
+                    if dep == INF:
+                        break
+                    s = max(t, dep)
+                    t = s + f[r]
+                    f_end[r][mb_] = t
+                elif kind == _B:
+                    dep = f_end[r][mb_] if r == p - 1 else max(f_end[r][mb_], b_end[r + 1][mb_] + c)
+                    if dep == INF:
+                        break
+                    s = max(t, dep)
+                    t = s + b[r]
+                    b_end[r][mb_] = t
+                else:
+                    dep = b_end[r][mb_]
+                    if dep == INF:
+                        break
+                    s = max(t, dep)
+                    t = s + w[r]
+                if first[r] == INF:
+                    first[r] = s
+                i += 1
+            if i != pos[r]:
+                progressed = True
+            pos[r], clock[r] = i, t
+            if i < len(plan):
+                remaining += 1
+        if remaining and not progressed:
+            raise ValueError("plan can never finish: every unfinished rank waits on another")
+    return max(clock[r] - first[r] for r in range(p))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The search
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def min_mem_limit(costs: StageCosts) -> float:
+    """The smallest per-rank limit any plan can use: one microbatch resident (``max(mem_f, mem_f + mem_b)``)."""
+    return max(max(0.0, mf, mf + mb) for mf, mb in zip(costs.mem_f, costs.mem_b))
+
+
+def default_mem_limit(p: int, costs: StageCosts) -> tuple[float, ...]:
+    """``mem_limit=None``: 2p - 1 microbatches' worth on every rank (ZB-H2's budget)."""
+    return tuple((2 * p - 1) * max(0.0, mf, mf + mb) for mf, mb in zip(costs.mem_f, costs.mem_b))
+
+
+def fill_counts(m: int, costs: StageCosts, *, round_up: bool) -> tuple[int, ...]:
+    """Per rank: how many forwards fit between its first F and the return of the first gradient.
+
+    With every rank working as early as it can on microbatch 0, rank r starts at sum_{q<r}(T_F[q] + c) and the
+    gradient of microbatch 0 reaches it at sum_q T_F[q] + (p-1) c + sum_{q>r}(T_B[q] + c).  ZB-H2's warm-up
+    ``2(p - r) - 1`` is this count with F = B and c = 0.
+    """
+    p = costs.num_stages
+    c = costs.comm
+    total_f = sum(costs.f) + (p - 1) * c
+    out = []
+    start = 0.0
+    for r in range(p):
+        back = sum(costs.b[q] + c for q in range(r + 1, p))
+        x = (total_f - start + back) / costs.f[r]
+        n = math.ceil(x - 1e-9) if round_up else math.floor(x + 1e-9)
+        out.append(max(1, min(m, n)))
+        start += costs.f[r] + c
+    return tuple(out)
+
+
+def policies(p: int, m: int, costs: StageCosts) -> list[Policy]:
+    """The family of variants the search runs (deterministic order)."""
+    warms: list[tuple[str, tuple[int, ...]]] = [("free", (m,) * p)]
+    for label, wm in (
+        ("fill-", fill_counts(m, costs, round_up=False)),
+        ("fill+", fill_counts(m, costs, round_up=True)),
+        ("1f1b", tuple(max(1, min(m, p - r)) for r in range(p))),
+    ):
+        if all(wm != w_ for _, w_ in warms):
+            warms.append((label, wm))
+    lags = (("none", (m,) * p), ("rank", tuple(range(p))))
+    out = []
+    for label, wm in warms:
+        for ahead_label, ahead in (("0", (0,) * p), ("warm", wm)):
+            for lag_label, lag in lags:
+                for theta_w in (-INF, 0.0, 0.5, 1.0, INF):
+                    for f_fits in (False, True):
+                        for guard in (False, True) if math.isfinite(theta_w) else (theta_w < 0,):
+                            name = (
+                                f"warm={label} ahead={ahead_label} lag={lag_label} theta_w={theta_w} "
+                                f"f_fits={f_fits} guard={guard}"
+                            )
+                            out.append(Policy(wm, ahead, lag, theta_w, f_fits, guard, name))
+    return out
+
+
+def _backend(name: str | None) -> str:
+    if name is None:
+        return "cpp" if _cpp is not None else "python"
+    if name == "cpp" and _cpp is None:
+        raise ValueError("backend='cpp' asked for, but zb_pipeline.schedule._zb_auto_cpp is not built")
+    if name not in ("cpp", "python"):
+        raise ValueError(f"backend={name!r}: expected 'cpp', 'python' or None")
+    return name
+
+
+def _run(backend: str, m: int, st: StageArrays, pol: Policy) -> tuple[list[list[int]], float]:
+    if backend == "cpp":
+        return _cpp.list_schedule(m, st.f, st.b, st.w, st.comm, st.mem_f, st.mem_b, st.cap, pol.warm, pol.theta_w, pol.f_fits)
+    return list_schedule_py(m, st, pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard)
+
+
+def resolve_mem_limit(p: int, costs: StageCosts, mem_limit: float | None) -> tuple[float, ...]:
+    """Per-rank caps for ``mem_limit`` (``None``: 2p - 1 microbatches); ``ValueError`` if no plan fits."""
+    need = min_mem_limit(costs)
+    if mem_limit is None:
+        return default_mem_limit(p, costs)
+    if not math.isfinite(mem_limit) or mem_limit < need - _EPS * max(1.0, need):
+        raise ValueError(
+            f"zb-auto: mem_limit={mem_limit} is below one microbatch on some rank; the smallest limit that works "
+            f"is {need:g} (units of the memory deltas)"
+        )
+    return (float(mem_limit),) * p
+
+
+def search(
+    p: int,
+    m: int,
+    costs: StageCosts,
+    mem_limit: float | None = None,
+    *,
+    backend: str | None = None,
+    improve: bool = True,
+) -> SearchResult:
+    """Run the variant family (and the local improvement), return the best plan found."""
+    if costs.num_stages != p:
+        raise ValueError(f"zb-auto plans one chunk per rank: costs have {costs.num_stages} stages, expected p={p}")
+    be = _backend(backend)
+    st = StageArrays.of(costs, resolve_mem_limit(p, costs, mem_limit))
+    best: tuple[float, Policy, list[list[int]]] | None = None
+    passes = 0
+    for pol in policies(p, m, costs):
+        plans, span = _run(be, m, st, pol)
+        passes += 1
+        if best is None or span < best[0] - _EPS * max(1.0, span):
+            best = (span, pol, plans)
+    assert best is not None
+    if improve and p > 1:
+        best, extra = _improve_warm(be, m, st, best)
+        passes += extra
+    span, pol, plans = best
+    return SearchResult(_to_schedule("zb-auto", p, m, plans), span, pol, passes, be)
+
+
+def _improve_warm(
+    be: str, m: int, st: StageArrays, best: tuple[float, Policy, list[list[int]]]
+) -> tuple[tuple[float, Policy, list[list[int]]], int]:
+    """Greedy descent on the warm-up budget: lower one rank's budget by one while that shortens the makespan.
+
+    Starts from the best variant's budget capped at what that plan actually used before its first B (a budget
+    above the used count changes nothing).  One sweep over ranks from the last to the first, bounded by 2p passes.
+    """
+    span, pol, plans = best
+    p = len(st.f)
+    used = []
+    for r in range(p):
+        n = 0
+        for code in plans[r]:
+            if code >= m:
+                break
+            n += 1
+        used.append(max(1, n))
+    warm = list(used)
+    passes = 0
+    for r in range(p - 1, -1, -1):
+        if warm[r] <= 1 or passes >= 2 * p:
+            continue
+        warm[r] -= 1
+        trial = replace(pol, warm=tuple(warm), label=pol.label + " +improve")
+        t_plans, t_span = _run(be, m, st, trial)
+        passes += 1
+        if t_span < span - _EPS * max(1.0, span):
+            span, pol, plans = t_span, trial, t_plans
+        else:
+            warm[r] += 1
+    return (span, pol, plans), passes
+
+
+def _to_schedule(name: str, p: int, m: int, plans: Sequence[Sequence[int]]) -> Schedule:
+    ranks = []
+    for r, codes in enumerate(plans):
+        ranks.append(tuple(Action(r, _KINDS[code // m], code % m) for code in codes))
+    return Schedule(name, p, p, m, loop_placement(p), ranks)
+
+
+@register("zb-auto", chunks=(1,), description="searched zero-bubble plan under a memory limit (default 2p-1 mb)")
+def zb_auto(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
+    """Searched zero-bubble plan: smallest makespan found under ``mem_limit`` (default: 2p - 1 microbatches)."""
+    if chunks != 1:
+        raise ValueError(f"zb-auto plans one chunk per rank, got {chunks=}; use zb-v for two chunks")
+    return search(p, m, costs, mem_limit).schedule

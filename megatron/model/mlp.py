@@ -1,0 +1,38 @@
+"""The feed-forward block: ``fc2(act(fc1(x)))`` with GeLU, or SwiGLU ``fc2(silu(gate(x)) * up(x))``.
+
+For SwiGLU, ``linear_fc1`` is one fused projection whose full output is ``[gate (ffn) ; up (ffn)]``; it is split
+with partition stride 2 so each tensor-parallel rank holds the matching rows of both halves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megatron.model.config import GPTConfig
+from megatron.parallel.tensor_parallel import ColumnParallelLinear, HasTensorParallel, RowParallelLinear
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, config: GPTConfig, *, tp: HasTensorParallel, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.swiglu = config.swiglu
+        ffn, bias = config.ffn_hidden_size, config.add_bias_linear
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            2 * ffn if self.swiglu else ffn,
+            tp=tp,
+            bias=bias,
+            sequence_parallel=sequence_parallel,
+            partition_stride=2 if self.swiglu else 1,
+        )
+        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
+        y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 with SwiGLU)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up  # [s, b, ffn/tp]
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)

@@ -1,0 +1,48 @@
+"""Pretrain a GPT model with Megatron-LM's flags: ``torchrun --nproc-per-node N pretrain_gpt.py --num-layers ...``.
+
+Bad input (a flag, a value, a layout that does not fit the world size) makes rank 0 print one line naming the
+problem and the fix; every rank exits with code 2 before any collective, so nothing hangs and there is no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+    from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
+
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run = parse_run_config(argv, world_size=world_size)
+    except ConfigError as err:
+        if rank == 0:
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0:
+        for line in run.ignored_flag_warnings():
+            print(line, file=sys.stderr, flush=True)
+
+    from megatron.training import pretrain
+
+    try:
+        pretrain(run)
+    except ConfigError as err:  # bad input found while building data, tokenizer or model: same on every rank
+        if rank == 0:
+            print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
