@@ -95,3 +95,10 @@ def train_small_sentencepiece(out_dir: str, vocab_size: int = 600, normalization
     return train_tokenizer.train_sentencepiece(
         varied_corpus(400, 1), out_dir, vocab_size=vocab_size, normalization=normalization
     )
+
+
+def tool(name: str):
+    """Import tools/<name>.py as a module."""
+    import importlib
+
+    return importlib.import_module(name)

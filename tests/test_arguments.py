@@ -175,6 +175,7 @@ def test_bad_input_exits_2_with_one_line_on_rank_0_only(tmp_path):
         assert code1 == 2 and err1 == "", (name, code1, err1)
 
 
+@pytest.mark.slow  # the fork battery above already runs real processes; this is the plain `python pretrain_gpt.py`
 def test_bad_input_as_a_plain_script_run():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, "--seq-length", "4096", "--max-position-embeddings", "128"],

@@ -46,7 +46,9 @@ def test_split_ranges_cover_every_document_once(n):
     ranges = split_document_ranges(n, "969,30,1")
     assert ranges[0][0] == 0 and ranges[-1][1] == n
     assert all(ranges[i][1] == ranges[i + 1][0] for i in range(2))
-    assert all(abs((e - b) - f * n) <= 1 for (b, e), f in zip(ranges, (0.969, 0.030, 0.001)))
+    assert all(abs((e - b) - f * n) <= 2 for (b, e), f in zip(ranges, (0.969, 0.030, 0.001)))
+    if n >= 3:
+        assert all(e > b for b, e in ranges)  # a split with a positive weight is never empty
 
 
 @pytest.mark.parametrize("seq_length", [1, 7, 64])
@@ -170,7 +172,7 @@ def test_blended_datasets_follow_the_weights(tmp_path):
     a = str(tmp_path / "a")
     b = str(tmp_path / "b")
     write_positional(a, [50] * 60)
-    with IndexedDatasetWriter(b, np.int32) as w:  # tokens of b are negative... no: offset by 10**6 to tell apart
+    with IndexedDatasetWriter(b, np.int32) as w:  # tokens of b start at 10**6, to tell the datasets apart
         for i in range(40):
             w.add_document(np.arange(10**6 + i * 20, 10**6 + (i + 1) * 20, dtype=np.int32))
     train, valid, _ = build_gpt_datasets(

@@ -7,8 +7,8 @@ import torch
 
 from megatron.model import GPTConfig
 from megatron.model.embedding import PositionEmbedding
-from megatron.model.transformer_layer import TransformerLayer
 from megatron.model.init import initialize_parameters
+from megatron.model.transformer_layer import TransformerLayer
 from megatron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TPContext, VocabParallelEmbedding
 from zb_pipeline.runtime.deferrable_linear import (
     DeferrableLinear,
@@ -151,8 +151,15 @@ def test_plain_mode_matches_torch_linear() -> None:
 
 def _tiny_config(**kw) -> GPTConfig:
     base = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=50, seq_length=16,
-        make_vocab_size_divisible_by=8, attention_dropout=0.0, hidden_dropout=0.0,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=50,
+        seq_length=16,
+        make_vocab_size_divisible_by=8,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
     )
     base.update(kw)
     return GPTConfig(**base)

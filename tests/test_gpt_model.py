@@ -15,8 +15,15 @@ torch.set_num_threads(1)
 
 def tiny(**kw) -> GPTConfig:
     base = dict(
-        num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=100, seq_length=16,
-        make_vocab_size_divisible_by=8, attention_dropout=0.0, hidden_dropout=0.0,
+        num_layers=3,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=100,
+        seq_length=16,
+        make_vocab_size_divisible_by=8,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
     )
     base.update(kw)
     return GPTConfig(**base)
@@ -26,7 +33,9 @@ VARIANTS = {
     "gpt2-tied": dict(),
     "untied": dict(untie_embeddings_and_output_weights=True),
     "llama-like": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False),
-    "gqa1-untied-rope": dict(num_query_groups=1, position_embedding_type="rope", untie_embeddings_and_output_weights=True),
+    "gqa1-untied-rope": dict(
+        num_query_groups=1, position_embedding_type="rope", untie_embeddings_and_output_weights=True
+    ),
 }
 
 
@@ -102,7 +111,8 @@ def _full_params(cfg: GPTConfig, tp_size: int, seed: int) -> dict[str, torch.Ten
             for r, shard in enumerate(shards):  # shard == slice of the full tensor, exactly
                 full = out[name]
                 assert torch.equal(
-                    shard, shard_tensor(full, dim=p.partition_dim, tp_rank=r, tp_size=tp_size, stride=p.partition_stride)
+                    shard,
+                    shard_tensor(full, dim=p.partition_dim, tp_rank=r, tp_size=tp_size, stride=p.partition_stride),
                 )
         else:
             for shard in shards[1:]:

@@ -74,13 +74,12 @@ def test_simultaneous_transfers_share_a_batch() -> None:
 
 
 def test_receives_are_posted_before_unrelated_compute() -> None:
-    """On the last rank of 1F1B the next activation's receive is posted before the current backward runs."""
-    p, m = 4, 8
-    row = lower(one_f_one_b(p, m)).ranks[p - 1]
-    for mb in range(m - 1):
-        recv_next = row.index(next(st for st in row if isinstance(st, CommBatch) and any(
-            a.kind is Kind.RECV_F and a.microbatch == mb + 1 for a in st.actions)))
-        assert recv_next < row.index(Action.parse(f"{p - 1}BW{mb}"))
+    """A receive is posted as soon as its data exists, even if other compute runs before its consumer: on 1F1B's
+    last rank microbatch 1's activation arrives while 3BW0 runs, so its receive is posted before 3BW0."""
+    row = lower(one_f_one_b(4, 8)).ranks[3]
+    assert row[:4] == steps("{3RECV_F0@2} 3F0 {3RECV_F1@2} 3BW0")
+    # In the steady state the next activation and the backward's send coincide: one batch, as Megatron pairs them.
+    assert steps("{3SEND_B1@2,3RECV_F2@2}")[0] in row
 
 
 @pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (3, 3), (3, 7), (4, 8), (5, 2)])
@@ -98,7 +97,8 @@ def test_v_placement_hands_off_locally_at_the_turn(p: int, m: int) -> None:
         a
         for r in range(p)
         for a in lowered.comm_actions(r)
-        if (a.kind in (Kind.SEND_F, Kind.RECV_B) and a.stage == p - 1) or (a.kind in (Kind.RECV_F, Kind.SEND_B) and a.stage == p)
+        if (a.kind in (Kind.SEND_F, Kind.RECV_B) and a.stage == p - 1)
+        or (a.kind in (Kind.RECV_F, Kind.SEND_B) and a.stage == p)
     ]
     assert turn == []
     # 2 (p - 1) cross-rank hand-offs per microbatch and direction; each has a send and a receive.
@@ -174,16 +174,26 @@ def test_pairing_send_with_next_receive_fixes_it() -> None:
 
 def test_receives_in_another_order_than_sends_are_rejected() -> None:
     sched = Schedule(
-        "gp", 2, 2, 2, (0, 1), [[Action.parse(x) for x in "0F0 0F1 0BW0 0BW1".split()],
-                                [Action.parse(x) for x in "1F0 1F1 1BW0 1BW1".split()]]
+        "gp",
+        2,
+        2,
+        2,
+        (0, 1),
+        [
+            [Action.parse(x) for x in "0F0 0F1 0BW0 0BW1".split()],
+            [Action.parse(x) for x in "1F0 1F1 1BW0 1BW1".split()],
+        ],
     )
     plan = _lowered(
         sched,
         "0F0 {0SEND_F0@1} 0F1 {0SEND_F1@1} {0RECV_B0@1} 0BW0 {0RECV_B1@1} 0BW1",
         "{1RECV_F1@0,1RECV_F0@0} 1F0 1F1 1BW0 {1SEND_B0@0} 1BW1 {1SEND_B1@0}",
     )
-    with pytest.raises(ScheduleError, match=r"rank 1 step 0 \(1RECV_F1@0\): receive #0 from rank 0 is matched .* "
-                       r"which is 0SEND_F0@1 .* different orders"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"rank 1 step 0 \(1RECV_F1@0\): receive #0 from rank 0 is matched .* "
+        r"which is 0SEND_F0@1 .* different orders",
+    ):
         validate_lowered(plan)
 
 

@@ -118,6 +118,7 @@ def _tp_norm_rank(rank: int, world_size: int) -> float:
     return clip_grads([w, b], 0.0, tp_rank=rank, mp_group=dist.group.WORLD).norm
 
 
+@pytest.mark.slow  # the default run covers this through the TP=2 training-equivalence test (grad norms compared)
 def test_norm_across_tensor_parallel_ranks_counts_replicas_once():
     g = torch.Generator().manual_seed(5)
     full_w = torch.randn(8, 4, generator=g)

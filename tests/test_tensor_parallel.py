@@ -20,15 +20,26 @@ from zb_pipeline.testing.harness import run_multiprocess
 
 SEED = 11
 BASE = dict(
-    num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, vocab_size=100, seq_length=16,
-    make_vocab_size_divisible_by=8, attention_dropout=0.0, hidden_dropout=0.0,
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=100,
+    seq_length=16,
+    make_vocab_size_divisible_by=8,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
 )
 CASES = {
     "tied": (dict(), False),
     "tied-sp": (dict(), True),
     "untied-sp-llama": (
-        dict(untie_embeddings_and_output_weights=True, position_embedding_type="rope", normalization="RMSNorm",
-             swiglu=True),
+        dict(
+            untie_embeddings_and_output_weights=True,
+            position_embedding_type="rope",
+            normalization="RMSNorm",
+            swiglu=True,
+        ),
         True,
     ),
     "untied": (dict(untie_embeddings_and_output_weights=True, num_query_groups=4), False),
@@ -130,6 +141,6 @@ def _ce_worker(rank: int, world_size: int) -> float:
     return loss.sum().item()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_vocab_parallel_cross_entropy_matches_torch(world_size: int) -> None:
     run_multiprocess(_ce_worker, world_size, timeout_s=120)

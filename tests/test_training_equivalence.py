@@ -74,8 +74,13 @@ def train_layout(argv: list[str], world_size: int) -> dict:
     return {"grads": grads, "losses": losses, "norms": norms, "params": params}
 
 
+def _to_numpy(result: dict) -> dict:
+    # Tensors sent through multiprocessing pipes travel as shared-memory handles that die with the sending rank.
+    return {k: ({n: t.numpy() for n, t in v.items()} if isinstance(v, dict) else v) for k, v in result.items()}
+
+
 def _worker(rank: int, world_size: int, cases: list[list[str]]) -> list[dict] | None:
-    results = [train_layout(argv, world_size) for argv in cases]
+    results = [_to_numpy(train_layout(argv, world_size)) for argv in cases]
     return results if rank == 0 else None
 
 
@@ -110,13 +115,20 @@ def _reference(extra: list[str]) -> dict:
     return _REFERENCES[key]
 
 
-def _check(world_size: int, layouts: dict[str, list[str]], model_flags: list[str]) -> None:
-    ref = _reference(model_flags)
-    assert ref["losses"][-1] < ref["losses"][0], "the reference run should learn"
-    cases = [[*BASE, *model_flags, *flags] for flags in layouts.values()]
+def _check(world_size: int, groups: list[tuple[list[str], dict[str, list[str]]]]) -> None:
+    """One spawn of ``world_size`` ranks trains every layout of every ``(model flags, layouts)`` group."""
+    cases, labels, refs = [], [], []
+    for model_flags, layouts in groups:
+        ref = _reference(model_flags)
+        assert ref["losses"][-1] < ref["losses"][0], "the reference run should learn"
+        for label, flags in layouts.items():
+            cases.append([*BASE, *model_flags, *flags])
+            labels.append(f"{label} {' '.join(model_flags)}")
+            refs.append(ref)
     results = run_multiprocess(_worker, world_size, args=(cases,), timeout_s=300)[0]
-    for (label, _), got in zip(layouts.items(), results):
-        _assert_same_training(got, ref, f"{label} {' '.join(model_flags)}")
+    for label, ref, got in zip(labels, refs, results):
+        got = {k: ({n: torch.from_numpy(a) for n, a in v.items()} if isinstance(v, dict) else v) for k, v in got.items()}
+        _assert_same_training(got, ref, label)
 
 
 TP2 = ["--tensor-model-parallel-size", "2"]
@@ -124,22 +136,22 @@ TP2_SP = [*TP2, "--sequence-parallel"]
 DP2 = []  # world 2, tp 1 -> dp 2 with half the microbatches each
 
 
-def test_tp2_sp_and_dp2_match_single_process_tied():
-    _check(2, {"tp=2": TP2, "tp=2 sp": TP2_SP, "dp=2": DP2}, [])
-
-
-def test_tp2_sp_matches_single_process_untied():
-    _check(2, {"tp=2 sp": TP2_SP}, UNTIED)
+def test_tp2_sp_and_dp2_match_single_process_tied_and_untied():
+    _check(2, [([], {"tp=2": TP2, "tp=2 sp": TP2_SP, "dp=2": DP2}), (UNTIED, {"tp=2 sp": TP2_SP})])
 
 
 @pytest.mark.slow
 def test_full_grid_untied_and_model_variants():
-    _check(2, {"tp=2": TP2, "dp=2": DP2}, UNTIED)
-    _check(2, {"tp=2": TP2, "tp=2 sp": TP2_SP, "dp=2": DP2}, VARIANT)
-    _check(2, {"tp=2 sp": TP2_SP, "dp=2": DP2}, [*VARIANT, *UNTIED])
+    _check(
+        2,
+        [
+            (UNTIED, {"tp=2": TP2, "dp=2": DP2}),
+            (VARIANT, {"tp=2": TP2, "tp=2 sp": TP2_SP, "dp=2": DP2}),
+            ([*VARIANT, *UNTIED], {"tp=2 sp": TP2_SP, "dp=2": DP2}),
+        ],
+    )
 
 
 @pytest.mark.slow
 def test_tp2_dp2_on_four_ranks():
-    _check(4, {"tp=2 dp=2": TP2, "tp=2 dp=2 sp": TP2_SP}, [])
-    _check(4, {"tp=2 dp=2 sp": TP2_SP}, UNTIED)
+    _check(4, [([], {"tp=2 dp=2": TP2, "tp=2 dp=2 sp": TP2_SP}), (UNTIED, {"tp=2 dp=2 sp": TP2_SP})])

@@ -48,7 +48,7 @@ def train_flags(iters: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=200, help="training iterations (default 200)")
+    parser.add_argument("--iters", type=int, default=150, help="training iterations (default 150)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4 = tp 2 x dp 2)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="kill the run after this many seconds")
     parser.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")

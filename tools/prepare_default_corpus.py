@@ -5,13 +5,15 @@
 
 Steps (cached under `<data-dir>/default_corpus/`, reused while the manifest matches):
 1. collect the standard library's *.py files (found through `sysconfig`), skipping test suites (test/, tests/,
-   idlelib/, lib2to3/) and site-packages, in sorted path order, up to --max-bytes of source (default 8 MB: about
-   500 files; the subset is deterministic for a given Python installation), into `stdlib.jsonl`, one file a line;
+   idlelib/, lib2to3/) and site-packages, in a fixed pseudo-random order, up to --max-bytes of source (default 8 MB:
+   about 500 files; the subset is deterministic for a given Python installation), into `stdlib.jsonl`, one file a
+   line;
 2. train a byte-level BPE tokenizer on them (tools/train_tokenizer.py; --vocab-size, default 4096);
 3. preprocess with tools/preprocess_data.py (--append-eod) into `stdlib_text_document.bin/.idx`.
 
 The whole thing takes well under a minute on 2 cores. `prepare(data_dir)` returns the paths the trainer needs:
-data_prefix (for --data-path), tokenizer_type, vocab_file, merge_file, vocab_size.
+data_prefix (for --data-path), tokenizer_type, vocab_file, merge_file, vocab_size, and the recommended split
+("90,5,5": with a few hundred documents Megatron's 969,30,1 would leave one file for testing).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import sys
 import sysconfig
@@ -34,10 +37,11 @@ import train_tokenizer  # noqa: E402
 
 from megatron.data.indexed_dataset import IndexedDataset  # noqa: E402
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
 DEFAULT_MAX_BYTES = 8_000_000
 DEFAULT_VOCAB_SIZE = 4096
+DEFAULT_SPLIT = "90,5,5"  # a few hundred documents: 969,30,1 would leave the test split a single file
 
 
 def stdlib_source_files(max_bytes: int) -> tuple[str, list[str]]:
@@ -50,6 +54,7 @@ def stdlib_source_files(max_bytes: int) -> tuple[str, list[str]]:
             if name.endswith(".py"):
                 files.append(os.path.relpath(os.path.join(dirpath, name), root))
     files.sort()
+    random.Random(0).shuffle(files)  # so the valid/test documents (at the end) are a random sample of the library
     chosen, total = [], 0
     for rel in files:
         size = os.path.getsize(os.path.join(root, rel))
@@ -79,6 +84,7 @@ def _result(out_dir: str, manifest: dict, reused: bool) -> dict:
         "vocab_file": os.path.join(out_dir, "tokenizer", "vocab.json"),
         "merge_file": os.path.join(out_dir, "tokenizer", "merges.txt"),
         "vocab_size": manifest["tokenizer_vocab_size"],
+        "split": DEFAULT_SPLIT,
         "documents": manifest["documents"],
         "tokens": manifest["tokens"],
         "reused": reused,

@@ -51,7 +51,11 @@ def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
 
 
 def split_document_ranges(num_documents: int, split: str | Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous [begin, end) document ranges of train, valid and test: boundaries round(cumulative * n)."""
+    """Contiguous [begin, end) document ranges of train, valid and test.
+
+    Boundaries are round(cumulative fraction * n); then a split with a positive weight that rounded to no documents
+    takes one from the largest split (so '969,30,1' over 500 documents still gives a 1-document test split).
+    """
     fractions = parse_split(split)
     bounds = [0]
     acc = 0.0
@@ -59,7 +63,15 @@ def split_document_ranges(num_documents: int, split: str | Sequence[float]) -> l
         acc += f
         bounds.append(min(num_documents, int(round(acc * num_documents))))
     bounds[-1] = num_documents
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    sizes = [bounds[i + 1] - bounds[i] for i in range(3)]
+    for i in range(3):
+        if fractions[i] > 0 and sizes[i] == 0:
+            donor = max(range(3), key=lambda j: sizes[j])
+            if sizes[donor] > 1:
+                sizes[donor] -= 1
+                sizes[i] += 1
+    begins = [0, sizes[0], sizes[0] + sizes[1]]
+    return [(begins[i], begins[i] + sizes[i]) for i in range(3)]
 
 
 def _rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
@@ -201,6 +213,8 @@ class GPTDataset:
         return sample_dict(self.tokens(k))
 
     def __repr__(self) -> str:
+        if not hasattr(self, "num_epochs"):
+            return "GPTDataset(<not built>)"
         return (
             f"GPTDataset({self.indexed.prefix!r}, {self.split_name}, documents {self.document_range}, "
             f"{self.num_samples} samples of {self.seq_length} tokens, {self.num_epochs} epochs)"

@@ -105,7 +105,7 @@ class GPTStage(torch.nn.Module):
             return WORD_EMBEDDING
         m = _LAYER_NAME.match(local_name)
         if m:
-            return f"layers.{int(m.group(1)) + self.layer_range.start}.{local_name[m.end():]}"
+            return f"layers.{int(m.group(1)) + self.layer_range.start}.{local_name[m.end() :]}"
         return local_name
 
     def reset_parameters(self, seed: int) -> None:

@@ -73,9 +73,7 @@ def initialize_parameters(
         for param_name, param in module.named_parameters(recurse=False):
             local = f"{module_name}.{param_name}" if module_name else param_name
             name = global_name(local)
-            full = full_initial_value(
-                name, module, param_name, full_shape(param, tp.tp_size), seed=seed, config=config
-            )
+            full = full_initial_value(name, module, param_name, full_shape(param, tp.tp_size), seed=seed, config=config)
             if is_tensor_parallel(param) and tp.tp_size > 1:
                 full = shard_tensor(
                     full,

@@ -26,7 +26,9 @@ class MLP(torch.nn.Module):
             sequence_parallel=sequence_parallel,
             partition_stride=2 if self.swiglu else 1,
         )
-        self.linear_fc2 = RowParallelLinear(ffn, config.hidden_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel)
+        self.linear_fc2 = RowParallelLinear(
+            ffn, config.hidden_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
         y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 with SwiGLU)

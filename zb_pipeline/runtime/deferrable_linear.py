@@ -92,7 +92,11 @@ class _DeferrableLinear(torch.autograd.Function):
     def backward(ctx, grad_y):  # grad_y: [..., out]
         x, weight = ctx.saved_tensors
         store: WeightGradStore | None = ctx.store
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]
+        need_x, need_w, need_b = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.has_bias and ctx.needs_input_grad[2],
+        )
         grad_x = grad_y.matmul(weight) if need_x else None  # [..., in]
         if not (need_w or need_b):
             return grad_x, None, None, None
@@ -221,7 +225,9 @@ class DeferrableLinear(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = mark_deferrable(torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype)))
+        self.weight = mark_deferrable(
+            torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        )
         self.bias = (
             mark_deferrable(torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))) if bias else None
         )

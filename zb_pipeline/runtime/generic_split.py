@@ -31,14 +31,14 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from zb_pipeline.runtime.deferrable_linear import accumulate_grad
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
 
-Node = object  # torch.autograd.graph.Node (C++ nodes have stable Python wrappers, so identity works)
-
 
 def _next_nodes(node) -> list:
     return [nxt for nxt, _ in node.next_functions if nxt is not None]
 
 
-def _classify(roots: list, input_nodes: set[int], param_nodes: set[int]) -> tuple[dict[int, bool], dict[int, bool], dict[int, object]]:
+def _classify(
+    roots: list, input_nodes: set[int], param_nodes: set[int]
+) -> tuple[dict[int, bool], dict[int, bool], dict[int, object]]:
     """Post-order walk: for every node id, does it lead to an input node, does it lead to a parameter node."""
     to_input: dict[int, bool] = {}
     to_param: dict[int, bool] = {}

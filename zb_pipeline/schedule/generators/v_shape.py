@@ -66,20 +66,20 @@ def cap_units(name: str, p: int) -> int:
 
 @dataclass(frozen=True)
 class _Policy:
-    """One priority variant of the list scheduler."""
+    """One variant of the list scheduler."""
 
-    admission: str  # "oldest" (optimistic, see module doc) or "reserve" (whole footprint reserved on entry)
+    admission: str  # "staged": chunk-0 growth reserved on entry, the rest at the turn;  "full": all on entry
     order: str  # "bfw": B > F > W;  "fbw": F > B > W;  "f1bf0w": chunk-1 F > B > chunk-0 F > W
-    pace: float = 0.0  # new microbatch k enters no earlier than (k - burst) x pace x period (0: no pacing)
+    pace: float = 0.0  # microbatch k enters no earlier than (k - burst) x pace x period (0: no pacing)
     burst: int = 0
 
 
-_POLICIES = (
-    _Policy("oldest", "bfw"),
-    _Policy("oldest", "f1bf0w"),
-    _Policy("oldest", "fbw"),
+_POLICIES = tuple(
+    _Policy(adm, order, pace, burst)
+    for adm in ("staged", "full")
+    for order in ("bfw", "fbw")
+    for pace, burst in ((0.0, 0), (1.0, 1))
 )
-_SAFE = _Policy("reserve", "bfw")
 
 
 @dataclass
@@ -89,167 +89,164 @@ class _Plan:
     peak: list[float]
 
 
-def plan_list_schedule(
-    stage_to_rank: tuple[int, ...],
-    m: int,
-    costs: StageCosts,
-    caps: list[float],
-    policy: _Policy,
-) -> _Plan | None:
-    """Run the memory-capped list scheduler once; ``None`` if the optimistic rule got stuck."""
-    S = len(stage_to_rank)
-    p = max(stage_to_rank) + 1
-    stages_on = [[s for s in range(S) if stage_to_rank[s] == r] for r in range(p)]
-    delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
-    dur = {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}
-    footprint = [sum(max(0.0, delta[k][s]) for s in stages_on[r] for k in delta) for r in range(p)]
+class _ListScheduler:
+    """Time-stepped list scheduler over any two-chunk placement (see the module docstring for the rules).
 
-    orders: list[list[Action]] = [[] for _ in range(p)]
-    first_start: list[float | None] = [None] * p
-    free_at = [0.0] * p
-    mem = [0.0] * p
-    peak = [0.0] * p
-    reserved = [0.0] * p  # "reserve" mode: growth still owed to admitted microbatches
-    growth_left = [[footprint[r]] * m for r in range(p)]  # per rank, per microbatch: growth not yet applied
-    oldest = [0] * p
-    inbox: dict[int, list[tuple[int, int]]] = {r: [] for r in range(p)}  # rank -> channel keys (src, dst) into it
-    channels: dict[tuple[int, int], deque[tuple[Action, float]]] = {}
-    for a in range(p):
-        for b in range(p):
-            if a != b:
-                channels[(a, b)] = deque()
-                inbox[b].append((a, b))
-    local: list[list[Action]] = [[] for _ in range(p)]  # ready, dependency on the same rank
-    pending_w: list[list[Action]] = [[] for _ in range(p)]
-    entry_rank = stage_to_rank[0]
-    # The bottleneck rank's work per microbatch: the steady-state period of a full pipeline.
-    period = max(sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages_on[r]) for r in range(p))
-    next_new = 0
-    total = 3 * S * m
-    n_done = 0
-    events: list[float] = [0.0]
-    t = 0.0
+    Memory is reserved, never overrun: a microbatch *enters* (its first F on stage 0) only when every rank has room
+    for its chunk-0 growth plus one chunk-1 growth, and it *turns* (its first F of chunk 1, stage S/2) only when
+    every rank has room for the rest of its growth; turns happen in microbatch order.  Every other action then runs
+    on memory already reserved for it, so no hand-off ever waits for memory and the channels never block.  The
+    oldest microbatch that has not turned can always turn once older ones finish, hence no deadlock as long as
+    one microbatch fits on every rank.
+    """
 
-    def grows(r: int, a: Action) -> float:
-        return delta[a.kind][a.stage]
+    def __init__(self, stage_to_rank: tuple[int, ...], m: int, costs: StageCosts, caps: list[float], policy: _Policy):
+        self.place, self.m, self.costs, self.caps, self.policy = stage_to_rank, m, costs, caps, policy
+        self.S = S = len(stage_to_rank)
+        self.p = p = max(stage_to_rank) + 1
+        self.turn_stage = S // 2
+        self.delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
+        self.dur = {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}
+        stages_on = [[s for s in range(S) if stage_to_rank[s] == r] for r in range(p)]
+        pos = [[max(0.0, self.delta[k][s]) for k in (Kind.F, Kind.B, Kind.W) for s in stages_on[r]] for r in range(p)]
+        # growth of one microbatch on each rank before (g0) and from (g1) its turn
+        self.g0 = [sum(max(0.0, costs.mem_f[s]) for s in stages_on[r] if s < self.turn_stage) for r in range(p)]
+        self.g1 = [sum(pos[r]) - self.g0[r] for r in range(p)]
+        self.period = max(sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages_on[r]) for r in range(p))
 
-    def allowed(r: int, a: Action) -> bool:
-        d = grows(r, a)
-        if d <= 0:
+    def run(self) -> _Plan:
+        p, S, m, pol = self.p, self.S, self.m, self.policy
+        orders: list[list[Action]] = [[] for _ in range(p)]
+        first = [0.0] * p
+        free_at = [0.0] * p
+        mem = [0.0] * p
+        peak = [0.0] * p
+        reserved = [0.0] * p
+        channels = {(a, b): deque() for a in range(p) for b in range(p) if a != b}
+        inbox = [[key for key in channels if key[1] == r] for r in range(p)]
+        local: list[list[Action]] = [[] for _ in range(p)]
+        pending_w: list[list[Action]] = [[] for _ in range(p)]
+        entry_rank, turn_rank = self.place[0], self.place[self.turn_stage]
+        next_new = next_turn = 0
+        events: list[float] = []
+        total, n_done, t = 3 * S * m, 0, 0.0
+
+        def room(extra: list[float]) -> bool:
+            return all(mem[r] + reserved[r] + extra[r] <= self.caps[r] + _EPS for r in range(p))
+
+        def can_run(a: Action) -> bool:
+            if a.kind is Kind.F and a.stage == self.turn_stage and pol.admission == "staged":
+                return a.microbatch == next_turn and room(self.g1)
             return True
-        if policy.admission == "reserve":
-            return True  # covered by the reservation made on entry
-        if mem[r] + d > caps[r] + _EPS:
-            return False
-        o = oldest[r]
-        if a.microbatch != o and o < m and mem[r] + d + growth_left[r][o] > caps[r] + _EPS:
-            return False
-        return True
 
-    def admit_new() -> bool:
-        if policy.pace and t + _EPS < (next_new - policy.burst) * policy.pace * period:
-            return False
-        if policy.admission == "reserve":
-            return all(mem[r] + reserved[r] + footprint[r] <= caps[r] + _EPS for r in range(p))
-        return allowed(entry_rank, Action(0, Kind.F, next_new))
-
-    def rank_key(a: Action) -> tuple:
-        k = a.kind
-        if policy.order == "bfw":
-            cls = 0 if k is Kind.B else 1
-        elif policy.order == "fbw":
-            cls = 0 if k is Kind.F else 1
-        else:  # f1bf0w
-            cls = 0 if (k is Kind.F and a.stage >= S // 2) else (1 if k is Kind.B else 2)
-        return (cls, a.microbatch, -a.stage if k is Kind.F else a.stage)
-
-    def finish(r: int, a: Action, start: float) -> None:
-        nonlocal n_done
-        end = start + dur[a.kind][a.stage]
-        orders[r].append(a)
-        if first_start[r] is None:
-            first_start[r] = start
-        free_at[r] = end
-        heapq.heappush(events, end)
-        n_done += 1
-        d = grows(r, a)
-        mem[r] += d
-        peak[r] = max(peak[r], mem[r])
-        if d > 0:
-            growth_left[r][a.microbatch] -= d
-            if policy.admission == "reserve":
-                reserved[r] -= d
-            while oldest[r] < m and growth_left[r][oldest[r]] <= _EPS:
-                oldest[r] += 1
-        succ: list[Action] = []
-        if a.kind is Kind.F:
-            succ.append(Action(a.stage + 1, Kind.F, a.microbatch) if a.stage + 1 < S else Action(a.stage, Kind.B, a.microbatch))
-        elif a.kind is Kind.B:
-            pending_w[r].append(Action(a.stage, Kind.W, a.microbatch))
-            if a.stage > 0:
-                succ.append(Action(a.stage - 1, Kind.B, a.microbatch))
-        for nxt in succ:
-            dst = stage_to_rank[nxt.stage]
-            if dst == r:
-                local[r].append(nxt)
+        def key(a: Action) -> tuple:
+            k = a.kind
+            if pol.order == "bfw":
+                cls = 0 if k is Kind.B else 1
             else:
-                arrival = end + costs.comm
-                channels[(r, dst)].append((nxt, arrival))
-                heapq.heappush(events, arrival)
+                cls = 0 if k is Kind.F else 1
+            return (cls, a.microbatch, -a.stage if k is Kind.F else a.stage)
 
-    while n_done < total:
-        for r in range(p):
-            if free_at[r] > t + _EPS:
-                continue
-            cands: list[tuple[tuple, Action, str, object]] = []
-            for key in inbox[r]:
-                q = channels[key]
-                if q and q[0][1] <= t + _EPS and allowed(r, q[0][0]):
-                    cands.append((rank_key(q[0][0]), q[0][0], "chan", key))
-            for i, a in enumerate(local[r]):
-                if allowed(r, a):
-                    cands.append((rank_key(a), a, "local", i))
-            if r == entry_rank and next_new < m and admit_new():
-                a = Action(0, Kind.F, next_new)
-                cands.append((rank_key(a), a, "new", None))
-            if cands:
-                _, act, src, ref = min(cands, key=lambda c: c[0])
-                if src == "chan":
-                    channels[ref].popleft()  # type: ignore[index]
-                elif src == "local":
-                    local[r].pop(ref)  # type: ignore[arg-type]
-                else:
-                    if policy.admission == "reserve":
+        while n_done < total:
+            for r in range(p):
+                if free_at[r] > t + _EPS:
+                    continue
+                cands: list[tuple[tuple, Action, object]] = []
+                for ch in inbox[r]:
+                    q = channels[ch]
+                    if q and q[0][1] <= t + _EPS and can_run(q[0][0]):
+                        cands.append((key(q[0][0]), q[0][0], ch))
+                for i, a in enumerate(local[r]):
+                    if can_run(a):
+                        cands.append((key(a), a, i))
+                if r == entry_rank and next_new < m:
+                    paced = pol.pace and t + _EPS < (next_new - pol.burst) * pol.pace * self.period
+                    need = [x + y for x, y in zip(self.g0, self.g1)]
+                    if not paced and room(need):
+                        a = Action(0, Kind.F, next_new)
+                        cands.append((key(a), a, None))
+                if cands:
+                    _, act, src = min(cands, key=lambda c: c[0])
+                    if isinstance(src, tuple):
+                        channels[src].popleft()
+                    elif isinstance(src, int):
+                        local[r].pop(src)
+                    else:
+                        next_new += 1
+                        grab = self.g0 if pol.admission == "staged" else [x + y for x, y in zip(self.g0, self.g1)]
                         for q in range(p):
-                            reserved[q] += footprint[q]
-                    next_new += 1
-                finish(r, act, t)
-            elif pending_w[r]:
-                finish(r, pending_w[r].pop(0), t)
-        # Advance to the next moment anything can change.
-        while events and events[0] <= t + _EPS:
-            heapq.heappop(events)
-        if n_done >= total:
-            break
-        if policy.pace and next_new < m:
-            heapq.heappush(events, max(t, (next_new - policy.burst) * policy.pace * period))
-        if not events:
-            return None  # stuck: nothing runs and nothing is in flight
-        t = heapq.heappop(events)
-    makespan = max(free_at[r] - (first_start[r] or 0.0) for r in range(p))
-    return _Plan(orders, makespan, peak)
+                            reserved[q] += grab[q]
+                    if act.kind is Kind.F and act.stage == self.turn_stage and pol.admission == "staged":
+                        next_turn += 1
+                        for q in range(p):
+                            reserved[q] += self.g1[q]
+                elif pending_w[r]:
+                    act = pending_w[r].pop(0)
+                else:
+                    continue
+                # run it
+                end = t + self.dur[act.kind][act.stage]
+                if not orders[r]:
+                    first[r] = t
+                orders[r].append(act)
+                free_at[r] = end
+                heapq.heappush(events, end)
+                n_done += 1
+                d = self.delta[act.kind][act.stage]
+                mem[r] += d
+                if d > 0:
+                    reserved[r] -= d
+                peak[r] = max(peak[r], mem[r])
+                if act.kind is Kind.B:
+                    pending_w[r].append(Action(act.stage, Kind.W, act.microbatch))
+                nxt = self._successor(act)
+                if nxt is not None:
+                    dst = self.place[nxt.stage]
+                    if dst == r:
+                        local[r].append(nxt)
+                    else:
+                        channels[(r, dst)].append((nxt, end + self.costs.comm))
+                        heapq.heappush(events, end + self.costs.comm)
+            if n_done >= total:
+                break
+            if pol.pace and next_new < m:
+                due = (next_new - pol.burst) * pol.pace * self.period
+                if due > t + _EPS:
+                    heapq.heappush(events, due)
+            while events and events[0] <= t + _EPS:
+                heapq.heappop(events)
+            if not events:
+                raise RuntimeError(f"V list scheduler stuck at t={t} with {total - n_done} actions left; this is a bug")
+            t = heapq.heappop(events)
+        makespan = max(free_at[r] - first[r] for r in range(p))
+        return _Plan(orders, makespan, peak)
+
+    def _successor(self, a: Action) -> Action | None:
+        """The one action that ``a`` hands its output to (W and the first stage's B hand nothing on)."""
+        if a.kind is Kind.F:
+            if a.stage + 1 < self.S:
+                return Action(a.stage + 1, Kind.F, a.microbatch)
+            return Action(a.stage, Kind.B, a.microbatch)
+        if a.kind is Kind.B and a.stage > 0:
+            return Action(a.stage - 1, Kind.B, a.microbatch)
+        return None
+
+
+def plan_list_schedule(
+    stage_to_rank: tuple[int, ...], m: int, costs: StageCosts, caps: list[float], policy: _Policy
+) -> _Plan:
+    """Run the memory-capped list scheduler once with one policy."""
+    return _ListScheduler(stage_to_rank, m, costs, caps, policy).run()
 
 
 def _plan_best(stage_to_rank: tuple[int, ...], m: int, costs: StageCosts, caps: list[float]) -> _Plan:
+    """Plan every policy variant and keep the smallest simulated makespan (ties: the first)."""
     best: _Plan | None = None
     for policy in _POLICIES:
         plan = plan_list_schedule(stage_to_rank, m, costs, caps, policy)
-        if plan is not None and (best is None or plan.makespan < best.makespan - _EPS):
+        if best is None or plan.makespan < best.makespan - _EPS:
             best = plan
-    if best is None:
-        best = plan_list_schedule(stage_to_rank, m, costs, caps, _SAFE)
-        if best is None:  # cannot happen when one microbatch fits on every rank
-            raise RuntimeError("V planner: the full-reservation fallback got stuck; this is a bug")
+    assert best is not None
     return best
 
 

@@ -351,9 +351,15 @@ def _backend(name: str | None) -> str:
     return name
 
 
-def _run(backend: str, m: int, st: StageArrays, pol: Policy) -> tuple[list[list[int]], float]:
+def _run(
+    backend: str, m: int, st: StageArrays, pol: Policy, want_plan: bool = True
+) -> tuple[list[list[int]] | None, float]:
+    """One pass; with ``want_plan=False`` the C++ pass skips building the plan (the search only needs spans)."""
     if backend == "cpp":
-        return _cpp.list_schedule(m, st.f, st.b, st.w, st.comm, st.mem_f, st.mem_b, st.cap, pol.warm, pol.theta_w, pol.f_fits)
+        return _cpp.list_schedule(
+            m, st.f, st.b, st.w, st.comm, st.mem_f, st.mem_b, st.mem_w, st.cap,
+            pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, want_plan,
+        )  # fmt: skip
     return list_schedule_py(m, st, pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard)
 
 
@@ -384,30 +390,32 @@ def search(
         raise ValueError(f"zb-auto plans one chunk per rank: costs have {costs.num_stages} stages, expected p={p}")
     be = _backend(backend)
     st = StageArrays.of(costs, resolve_mem_limit(p, costs, mem_limit))
-    best: tuple[float, Policy, list[list[int]]] | None = None
+    best: tuple[float, Policy] | None = None
     passes = 0
     for pol in policies(p, m, costs):
-        plans, span = _run(be, m, st, pol)
+        _, span = _run(be, m, st, pol, want_plan=False)
         passes += 1
         if best is None or span < best[0] - _EPS * max(1.0, span):
-            best = (span, pol, plans)
+            best = (span, pol)
     assert best is not None
     if improve and p > 1:
         best, extra = _improve_warm(be, m, st, best)
         passes += extra
-    span, pol, plans = best
+    span, pol = best
+    plans, span_again = _run(be, m, st, pol)
+    assert plans is not None and span_again == span
     return SearchResult(_to_schedule("zb-auto", p, m, plans), span, pol, passes, be)
 
 
-def _improve_warm(
-    be: str, m: int, st: StageArrays, best: tuple[float, Policy, list[list[int]]]
-) -> tuple[tuple[float, Policy, list[list[int]]], int]:
+def _improve_warm(be: str, m: int, st: StageArrays, best: tuple[float, Policy]) -> tuple[tuple[float, Policy], int]:
     """Greedy descent on the warm-up budget: lower one rank's budget by one while that shortens the makespan.
 
     Starts from the best variant's budget capped at what that plan actually used before its first B (a budget
     above the used count changes nothing).  One sweep over ranks from the last to the first, bounded by 2p passes.
     """
-    span, pol, plans = best
+    span, pol = best
+    plans, _ = _run(be, m, st, pol)
+    assert plans is not None
     p = len(st.f)
     used = []
     for r in range(p):
@@ -424,13 +432,13 @@ def _improve_warm(
             continue
         warm[r] -= 1
         trial = replace(pol, warm=tuple(warm), label=pol.label + " +improve")
-        t_plans, t_span = _run(be, m, st, trial)
+        _, t_span = _run(be, m, st, trial, want_plan=False)
         passes += 1
         if t_span < span - _EPS * max(1.0, span):
-            span, pol, plans = t_span, trial, t_plans
+            span, pol = t_span, trial
         else:
             warm[r] += 1
-    return (span, pol, plans), passes
+    return (span, pol), passes
 
 
 def _to_schedule(name: str, p: int, m: int, plans: Sequence[Sequence[int]]) -> Schedule:

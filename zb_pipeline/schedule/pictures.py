@@ -1,0 +1,213 @@
+"""Pictures of schedules: a timeline (PNG/SVG), the same timeline as coloured text, and a comparison chart.
+
+The timeline has one row per rank and one box per compute action, placed at its simulated start and end: a
+colour per kind (F, B, W, BW), a lighter shade for a rank's later chunks, the microbatch number in the box.
+Idle time is left as a grey band, so the bubbles are what you see.  Matplotlib runs headless (``Figure`` with
+the Agg canvas; no pyplot state), the file type follows the extension.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from zb_pipeline.schedule.ir import Kind, Schedule
+from zb_pipeline.schedule.simulate import SimResult
+
+KIND_COLORS: dict[Kind, str] = {Kind.F: "#3b6fb6", Kind.B: "#4aa564", Kind.W: "#e39a3b", Kind.BW: "#8a5cb8"}
+IDLE_COLOR = "#e6e6e6"
+# ANSI background colours per kind: normal for a rank's first chunk, bright for the others.
+_ANSI_BG: dict[Kind, tuple[str, str]] = {
+    Kind.F: ("44", "104"),
+    Kind.B: ("42", "102"),
+    Kind.W: ("43", "103"),
+    Kind.BW: ("45", "105"),
+}
+_KIND_LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
+
+
+def _chunk_index(schedule: Schedule) -> dict[int, int]:
+    """Virtual stage -> which of its rank's chunks it is (0 = the rank's first stage)."""
+    out = {}
+    for r in range(schedule.num_ranks):
+        for i, s in enumerate(schedule.stages_of(r)):
+            out[s] = i
+    return out
+
+
+def _shade(hex_color: str, amount: float) -> tuple[float, float, float]:
+    """Mix ``hex_color`` with white by ``amount`` (0 = unchanged)."""
+    rgb = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
+
+
+def timeline_title(result: SimResult) -> str:
+    s = result.schedule
+    chunks = f" chunks={s.chunks} ({s.placement})" if s.chunks > 1 else ""
+    return (
+        f"{s.name}: p={s.num_ranks} m={s.num_microbatches}{chunks} | bubble rate {result.bubble_rate:.1%} | "
+        f"makespan {result.makespan:g}"
+    )
+
+
+def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str | None = None) -> None:
+    """Draw ``result`` as a timeline and save it (``.png`` or ``.svg``, by the extension)."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    sched = result.schedule
+    p = sched.num_ranks
+    t_end = result.end_time or 1.0
+    n_actions = max((len(tl) for tl in result.timeline), default=1)
+    width = min(40.0, max(8.0, 0.28 * n_actions + 2.0))
+    height = 1.3 + 0.42 * p
+    fig = Figure(figsize=(width, height), dpi=110)
+    ax = fig.add_axes((0.07, 0.28 if p <= 2 else 0.12 + 0.6 / (p + 6), 0.91, 0.55 if p <= 2 else 0.72))
+    px_per_unit = width * fig.dpi * 0.91 / t_end
+    label_size = 8 if p <= 16 else 6
+    chunk_of = _chunk_index(sched)
+    chunks = sched.chunks
+
+    for r, tl in enumerate(result.timeline):
+        y = p - 1 - r
+        ax.broken_barh([(0, t_end)], (y - 0.4, 0.8), facecolors=IDLE_COLOR, edgecolor="none", zorder=1)
+        for ta in tl:
+            a = ta.action
+            ci = chunk_of[a.stage]
+            color = _shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
+            ax.broken_barh(
+                [(ta.start, ta.duration)], (y - 0.4, 0.8), facecolors=[color], edgecolor="white", linewidth=0.6, zorder=2
+            )
+            text = str(a.microbatch)
+            if ta.duration * px_per_unit >= 6.5 * len(text) + 2:
+                dark_text = ci > 0 and chunks > 1 and a.kind in (Kind.W, Kind.F, Kind.B)
+                ax.text(
+                    ta.start + ta.duration / 2,
+                    y,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=label_size,
+                    color="black" if dark_text else "white",
+                    zorder=3,
+                )
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"rank {p - 1 - y}" for y in range(p)], fontsize=8)
+    ax.set_ylim(-0.6, p - 0.4)
+    ax.set_xlim(0, t_end)
+    ax.set_xlabel("time", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or timeline_title(result), fontsize=11, loc="left")
+
+    kinds = [k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(ta.action.kind is k for tl in result.timeline for ta in tl)]
+    handles = [Patch(facecolor=KIND_COLORS[k], label={Kind.BW: "BW (full backward)"}.get(k, k.value)) for k in kinds]
+    if chunks > 1:
+        handles += [Patch(facecolor=_shade("#777777", 0.5), label="later chunk (lighter)")]
+    handles.append(Patch(facecolor=IDLE_COLOR, label="idle (bubble)"))
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    fig.savefig(os.fspath(path))
+
+
+def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160) -> str:
+    """The timeline as text, one line per rank and time running right; ANSI colours per kind if ``color``.
+
+    With colour a box shows the microbatch number (the colour says the kind; later chunks in bright colours);
+    without it, the kind letter too (``X`` = BW).  Idle time prints as ``.``.  Time is scaled so the shortest
+    action is a few characters wide, squeezed to ``max_width`` columns if needed.
+    """
+    sched = result.schedule
+    t_end = result.end_time
+    all_actions = [ta for tl in result.timeline for ta in tl]
+    if not all_actions or t_end <= 0:
+        return timeline_title(result)
+    chunk_of = _chunk_index(sched)
+    shortest = min(ta.duration for ta in all_actions)
+    label_w = len(str(sched.num_microbatches - 1)) + (0 if color else 1)
+    scale = (label_w + 1) / shortest
+    scale = min(scale, max(1.0, (max_width - 10) / t_end))
+    ncols = max(1, math.ceil(t_end * scale - 1e-9))
+    label_col = len(f"rank {sched.num_ranks - 1}")
+    lines = [timeline_title(result)]
+    for r, tl in enumerate(result.timeline):
+        cells: list[str] = []
+        col = 0
+        for ta in tl:
+            c0 = min(ncols, round(ta.start * scale))
+            c1 = max(c0 + 1, min(ncols, round(ta.end * scale)))
+            if c0 < col:  # rounding overlap with the previous box
+                c0 = col
+                c1 = max(c1, c0 + 1)
+            if c0 > col:
+                cells.append(("\x1b[2m" + "." * (c0 - col) + "\x1b[0m") if color else "." * (c0 - col))
+            w = c1 - c0
+            a = ta.action
+            text = str(a.microbatch) if color else f"{_KIND_LETTER[a.kind]}{a.microbatch}"
+            box = text[:w].center(w)
+            if color:
+                bg = _ANSI_BG[a.kind][1 if chunk_of[a.stage] > 0 else 0]
+                cells.append(f"\x1b[{bg};30m{box}\x1b[0m")
+            else:
+                cells.append(box if w > len(text) or w == len(text) else "#" * w)
+            col = c1
+        if col < ncols:
+            cells.append(("\x1b[2m" + "." * (ncols - col) + "\x1b[0m") if color else "." * (ncols - col))
+        lines.append(f"{f'rank {r}':>{label_col}} |" + "".join(cells) + "|")
+    if color:
+        legend = " ".join(f"\x1b[{_ANSI_BG[k][0]};30m {k.value} \x1b[0m" for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
+        lines.append(f"{'':>{label_col}}  {legend}  \x1b[2m.\x1b[0m idle   (bright = later chunk)")
+    else:
+        lines.append(f"{'':>{label_col}}  F=forward B=backward(input) W=weight grad X=full backward(BW) .=idle")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One schedule in ``zb-schedule compare``."""
+
+    name: str
+    chunks: int
+    bubble_rate: float
+    makespan: float
+    peak_memory: tuple[float, ...]
+    p2p_messages: int
+
+
+def plot_comparison(
+    rows: Sequence[ComparisonRow], path: str | os.PathLike[str], *, title: str, skipped: Sequence[str] = ()
+) -> None:
+    """Bar charts side by side: bubble rate, makespan, largest per-rank peak memory, P2P messages."""
+    from matplotlib.figure import Figure
+
+    n = len(rows)
+    fig = Figure(figsize=(14, 1.6 + 0.42 * max(n, 1)), dpi=110)
+    panels = [
+        ("bubble rate", [r.bubble_rate for r in rows], "{:.1%}"),
+        ("makespan", [r.makespan for r in rows], "{:g}"),
+        ("peak memory (max rank)", [max(r.peak_memory, default=0.0) for r in rows], "{:g}"),
+        ("P2P messages / iteration", [float(r.p2p_messages) for r in rows], "{:.0f}"),
+    ]
+    names = [r.name if r.chunks == 1 else f"{r.name} (x{r.chunks})" for r in rows]
+    palette = ["#3b6fb6", "#4aa564", "#e39a3b", "#8a5cb8", "#c44e52", "#64b5cd", "#8c8c8c", "#b5a33b"]
+    colors = [palette[i % len(palette)] for i in range(n)]
+    for k, (label, values, fmt) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), k + 1)
+        ys = list(range(n))[::-1]
+        ax.barh(ys, values, color=colors, height=0.65)
+        ax.set_yticks(ys)
+        ax.set_yticklabels(names if k == 0 else [""] * n, fontsize=9)
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", labelsize=8)
+        top = max(values, default=0.0) or 1.0
+        ax.set_xlim(0, top * 1.3)
+        for y, v in zip(ys, values):
+            ax.text(v + top * 0.02, y, fmt.format(v), va="center", fontsize=8)
+        for side in ("top", "right"):
+            ax.spines[side].set_visible(False)
+    note = f"  (not shown: {'; '.join(skipped)})" if skipped else ""
+    fig.suptitle(title + note, fontsize=11, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(os.fspath(path))
