@@ -102,6 +102,61 @@ py::tuple build_blending_indices(const py::array_t<double, py::array::c_style | 
   return py::make_tuple(dataset_index, dataset_sample_index);
 }
 
+template <typename TokT>
+py::array_t<int64_t> gather_impl(const py::array_t<TokT, py::array::c_style>& tokens,
+                                 const py::array_t<int64_t, py::array::c_style>& offsets,
+                                 const py::array_t<int32_t, py::array::c_style>& lengths,
+                                 const py::array_t<int64_t, py::array::c_style>& doc_index,
+                                 const py::array_t<int64_t, py::array::c_style>& starts, int64_t sample_tokens) {
+  // starts[b] = (position in doc_index, offset): copy sample_tokens tokens from there into row b.
+  const int64_t batch = starts.shape(0);
+  py::array_t<int64_t> out({batch, sample_tokens});
+  const TokT* tok = tokens.data();
+  const int64_t* off = offsets.data();
+  const int32_t* len = lengths.data();
+  const int64_t* docs = doc_index.data();
+  const int64_t* st = starts.data();
+  const int64_t n_docs = doc_index.shape(0), n_seq = lengths.shape(0), n_tok = tokens.shape(0);
+  int64_t* o = out.mutable_data();
+  bool bad = false;
+  {
+    py::gil_scoped_release release;
+    for (int64_t b = 0; b < batch && !bad; ++b) {
+      int64_t pos = st[2 * b], within = st[2 * b + 1], filled = 0;
+      int64_t* row = o + b * sample_tokens;
+      while (filled < sample_tokens) {
+        if (pos < 0 || pos >= n_docs || docs[pos] < 0 || docs[pos] >= n_seq) { bad = true; break; }
+        const int64_t seq = docs[pos];
+        int64_t take = static_cast<int64_t>(len[seq]) - within;
+        if (take > sample_tokens - filled) take = sample_tokens - filled;
+        if (take > 0) {
+          const int64_t begin = off[seq] + within;
+          if (begin < 0 || begin + take > n_tok) { bad = true; break; }
+          for (int64_t i = 0; i < take; ++i) row[filled + i] = static_cast<int64_t>(tok[begin + i]);
+          filled += take;
+        }
+        ++pos;
+        within = 0;
+      }
+    }
+  }
+  if (bad) throw std::out_of_range("sample runs outside the dataset (inconsistent index arrays)");
+  return out;
+}
+
+py::array_t<int64_t> gather_samples(const py::array& tokens, const py::array_t<int64_t, py::array::c_style>& offsets,
+                                    const py::array_t<int32_t, py::array::c_style>& lengths,
+                                    const py::array_t<int64_t, py::array::c_style>& doc_index,
+                                    const py::array_t<int64_t, py::array::c_style>& starts, int64_t sample_tokens) {
+  if (py::isinstance<py::array_t<uint16_t>>(tokens))
+    return gather_impl<uint16_t>(py::array_t<uint16_t, py::array::c_style>::ensure(tokens), offsets, lengths, doc_index,
+                                 starts, sample_tokens);
+  if (py::isinstance<py::array_t<int32_t>>(tokens))
+    return gather_impl<int32_t>(py::array_t<int32_t, py::array::c_style>::ensure(tokens), offsets, lengths, doc_index,
+                                starts, sample_tokens);
+  throw std::invalid_argument("gather_samples supports uint16 and int32 tokens");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_helpers_cpp, m) {
@@ -111,4 +166,7 @@ PYBIND11_MODULE(_helpers_cpp, m) {
         "[(doc_index position, token offset)] of tokens 0, S, 2S, ..., num_samples*S; int64 [num_samples + 1, 2]");
   m.def("build_blending_indices", &build_blending_indices, py::arg("weights"), py::arg("size"),
         "(dataset_index int16 [size], dataset_sample_index int64 [size]) by greedy largest deficit");
+  m.def("gather_samples", &gather_samples, py::arg("tokens"), py::arg("offsets"), py::arg("lengths"),
+        py::arg("doc_index"), py::arg("starts"), py::arg("sample_tokens"),
+        "int64 [len(starts), sample_tokens]: the tokens of each sample start (doc_index position, offset)");
 }

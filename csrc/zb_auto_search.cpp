@@ -30,7 +30,7 @@ struct Result {
 Result run(int m, const std::vector<double>& f, const std::vector<double>& b, const std::vector<double>& w, double c,
            const std::vector<double>& mf, const std::vector<double>& mb, const std::vector<double>& mw,
            const std::vector<double>& cap, const std::vector<int>& warm, const std::vector<int>& ahead,
-           const std::vector<int>& lag, double theta_w, bool f_fits, bool guard, bool want_plan) {
+           const std::vector<int>& lag, double theta_w, bool f_fits, bool guard, bool want_plan, double bound) {
   const int p = static_cast<int>(f.size());
   for (const auto* v : {&b, &w, &mf, &mb, &mw, &cap}) {
     if (static_cast<int>(v->size()) != p) throw std::invalid_argument("zb-auto: per-rank arrays differ in length");
@@ -135,6 +135,10 @@ Result run(int m, const std::vector<double>& f, const std::vector<double>& b, co
       if (want_plan) res.plans[r].push_back(2 * m + i);
     }
     free_at[r] = end;
+    if (end - first[r] > bound) {
+      res.makespan = kInf;
+      return res;
+    }
     if (end < wake[r]) {
       wake[r] = end;
       heap.push({end, -r});
@@ -159,16 +163,17 @@ PYBIND11_MODULE(_zb_auto_cpp, mod) {
       [](int m, const std::vector<double>& f, const std::vector<double>& b, const std::vector<double>& w, double c,
          const std::vector<double>& mf, const std::vector<double>& mb, const std::vector<double>& mw,
          const std::vector<double>& cap, const std::vector<int>& warm, const std::vector<int>& ahead,
-         const std::vector<int>& lag, double theta_w, bool f_fits, bool guard, bool want_plan) -> py::object {
+         const std::vector<int>& lag, double theta_w, bool f_fits, bool guard, bool want_plan,
+         double bound) -> py::object {
         Result res;
         {
           py::gil_scoped_release release;
-          res = run(m, f, b, w, c, mf, mb, mw, cap, warm, ahead, lag, theta_w, f_fits, guard, want_plan);
+          res = run(m, f, b, w, c, mf, mb, mw, cap, warm, ahead, lag, theta_w, f_fits, guard, want_plan, bound);
         }
         if (!want_plan) return py::make_tuple(py::none(), res.makespan);
         return py::make_tuple(py::cast(res.plans), res.makespan);
       },
       py::arg("m"), py::arg("f"), py::arg("b"), py::arg("w"), py::arg("c"), py::arg("mem_f"), py::arg("mem_b"),
       py::arg("mem_w"), py::arg("cap"), py::arg("warm"), py::arg("ahead"), py::arg("lag"), py::arg("theta_w"),
-      py::arg("f_fits"), py::arg("guard"), py::arg("want_plan"));
+      py::arg("f_fits"), py::arg("guard"), py::arg("want_plan"), py::arg("bound") = kInf);
 }

@@ -127,14 +127,23 @@ def build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | Non
             vocab_size=run.model.vocab_size,
         )
 
-    try:
-        if ctx.is_distributed and ctx.rank != 0:
-            dist.barrier()  # rank 0 builds (and caches) the sample indices first
-        datasets = build()
-        if ctx.is_distributed and ctx.rank == 0:
-            dist.barrier()
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot open --data-path {' '.join(run.data.data_path)}: {str(err).splitlines()[0]}") from None
+    def attempt() -> tuple[tuple[Any, ...] | None, str | None]:
+        try:
+            return build(), None
+        except (OSError, ValueError) as err:
+            return None, f"cannot open --data-path {' '.join(run.data.data_path)}: {str(err).splitlines()[0]}"
+
+    # Rank 0 builds (and caches) the sample indices first and tells the others whether that worked, so a bad path
+    # fails on every rank at once instead of leaving them waiting in a barrier.
+    datasets, error = attempt() if ctx.rank == 0 or not ctx.is_distributed else (None, None)
+    if ctx.is_distributed:
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        error = message[0]
+        if error is None and ctx.rank != 0:
+            datasets, error = attempt()
+    if error is not None or datasets is None:
+        raise ConfigError(error or "building the datasets failed")
     return datasets[0], datasets[1]
 
 

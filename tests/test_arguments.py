@@ -37,7 +37,11 @@ def test_megatron_flags_map_onto_component_configs():
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups) == (4, 96, 6, 2)
     assert (m.seq_length, m.max_position_embeddings, m.kv_channels) == (64, 128, 16)
     assert m.ffn_hidden_size == swiglu_ffn_size(96) == 256 and m.swiglu
-    assert (m.normalization, m.position_embedding_type, m.untie_embeddings_and_output_weights) == ("RMSNorm", "rope", True)
+    assert (m.normalization, m.position_embedding_type, m.untie_embeddings_and_output_weights) == (
+        "RMSNorm",
+        "rope",
+        True,
+    )
     assert (m.attention_dropout, m.hidden_dropout, m.init_method_std) == (0.0, 0.05, 0.01)
     assert (m.vocab_size, m.padded_vocab_size) == (1000, 1024)  # next multiple of 64 x tp
     assert run.dp_size == 2 and run.num_microbatches == 4 and run.global_batch_size == 16
@@ -75,7 +79,13 @@ def test_named_sizes_yaml_and_explicit_flag_precedence(tmp_path):
     child.write_text("base: base.yaml\nhidden-size: 480\nnormalization: RMSNorm\n")
     run = parse_run_config(["--model-config", str(child), *BASE, "--num-layers", "3"])
     m = run.model
-    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.swiglu, m.normalization) == (3, 480, 12, True, "RMSNorm")
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.swiglu, m.normalization) == (
+        3,
+        480,
+        12,
+        True,
+        "RMSNorm",
+    )
     for text, needle in [
         ("num_layerz: 3\n", "unknown model setting"),
         ("swiglu: 3\n", "true or false"),
@@ -105,11 +115,21 @@ def test_ignored_flags_warn_once_each_and_unknown_flags_fail():
 # Each case: (argv, world size, a phrase the one-line message must contain).
 BAD_INPUT = {
     "world-size": ([*TINY, "--tensor-model-parallel-size", "2"], 3, "not divisible by tensor x pipeline"),
-    "heads-vs-tp": ([*TINY, "--num-attention-heads", "2", "--tensor-model-parallel-size", "4"], 4, "--num-attention-heads=2"),
-    "layers-vs-stages": (
-        [*TINY, "--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "--allow-padding-num-layers",
+    "heads-vs-tp": (
+        [*TINY, "--num-attention-heads", "2", "--tensor-model-parallel-size", "4"],
+        4,
+        "--num-attention-heads=2",
     ),
-    "seq-vs-positions": ([*TINY, "--seq-length", "256", "--max-position-embeddings", "128"], 1, "--max-position-embeddings"),
+    "layers-vs-stages": (
+        [*TINY, "--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        2,
+        "--allow-padding-num-layers",
+    ),
+    "seq-vs-positions": (
+        [*TINY, "--seq-length", "256", "--max-position-embeddings", "128"],
+        1,
+        "--max-position-embeddings",
+    ),
     "global-batch": ([*TINY, "--micro-batch-size", "2", "--global-batch-size", "6"], 2, "--global-batch-size=6"),
     "unknown-flag": ([*TINY, "--frobnicate"], 1, "unrecognized arguments: --frobnicate"),
     "bad-value": ([*TINY, "--num-layers", "two"], 1, "invalid"),
@@ -178,11 +198,14 @@ def test_bad_input_exits_2_with_one_line_on_rank_0_only(tmp_path):
 @pytest.mark.slow  # the fork battery above already runs real processes; this is the plain `python pretrain_gpt.py`
 def test_bad_input_as_a_plain_script_run():
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, "--seq-length", "4096", "--max-position-embeddings", "128"],
+        [sys.executable, str(ROOT / "pretrain_gpt.py"), *TINY, "--seq-length", "4096",
+         "--max-position-embeddings", "128"],
         capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and "--seq-length=4096 is larger than --max-position-embeddings=128" in proc.stderr
+    assert (
+        proc.stderr.count("\n") == 1 and "--seq-length=4096 is larger than --max-position-embeddings=128" in proc.stderr
+    )
 
 
 @pytest.mark.slow
@@ -198,4 +221,4 @@ def test_bad_input_under_torchrun_fails_every_rank_without_hanging():
     assert not res.timed_out and res.returncode != 0
     ours = [line for line in res.stderr.splitlines() if "pretrain_gpt.py: error:" in line]
     assert len(ours) == 1 and "--num-attention-heads=3" in ours[0]
-    assert 'File "' + str(ROOT / "megatron") not in res.stderr and "pretrain_gpt.py\", line" not in res.stderr
+    assert 'File "' + str(ROOT / "megatron") not in res.stderr and 'pretrain_gpt.py", line' not in res.stderr

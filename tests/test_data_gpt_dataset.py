@@ -186,6 +186,8 @@ def test_blended_datasets_follow_the_weights(tmp_path):
     assert isinstance(train, BlendedDataset) and len(train) == 500 and len(valid) == 30
     from_b = [bool(train.tokens(k)[0] >= 10**6) for k in range(500)]
     assert from_b == (train.dataset_index == 1).tolist()
+    batch = train.tokens_batch(np.arange(0, 500, 7))
+    assert all(np.array_equal(row, train.tokens(k)) for row, k in zip(batch, range(0, 500, 7)))
     counts = np.cumsum(np.asarray(from_b))
     n = np.arange(1, 501)
     assert np.all(np.abs(counts - 0.7 * n) <= 1.0)
@@ -257,3 +259,24 @@ def test_gpt_dataset_arrays_identical_with_cpp_and_numpy(tmp_path, positional):
     b = GPTDataset(positional, cache_dir=str(tmp_path / "b"), use_cpp=False, **kw)
     for name in ("document_index", "sample_index", "shuffle_index"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+
+
+@pytest.mark.parametrize("use_cpp", [False, pytest.param(True, marks=needs_cpp)])
+def test_batched_reads_equal_single_reads(tmp_path, use_cpp, monkeypatch):
+    prefix = str(tmp_path / "u16")
+    rng = np.random.default_rng(4)
+    with IndexedDatasetWriter(prefix, np.uint16) as w:
+        for _ in range(80):
+            w.add_document(rng.integers(0, 60000, size=int(rng.integers(0, 70))))
+    ds = IndexedDataset(prefix)
+    gds = GPTDataset(ds, split_name="train", document_range=(0, 80), seq_length=33, seed=1, num_samples=300,
+                     cache_dir=str(tmp_path / "c"))  # fmt: skip
+    real = helpers.gather_samples
+    monkeypatch.setattr(helpers, "gather_samples", lambda *a, **k: real(*a, **{**k, "use_cpp": use_cpp}))
+    ks = rng.integers(0, 300, size=200)
+    batch = gds.tokens_batch(ks)
+    assert batch.shape == (200, 34) and batch.dtype == np.int64
+    for row, k in zip(batch, ks.tolist()):
+        np.testing.assert_array_equal(row, gds.tokens(k))
+    with pytest.raises(IndexError):
+        gds.tokens_batch([300])

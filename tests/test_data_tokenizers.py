@@ -83,6 +83,7 @@ def test_auto_backend_agrees_and_chooses(bpe_files, bpe):
     tok = GPT2BPETokenizer(bpe_files["vocab_file"], bpe_files["merge_file"])
     corpus = varied_corpus(400, seed=5)
     assert tok.backend == "auto"
+    tok.calibration_chars = 4096  # calibrate on the first few documents
     assert tok.tokenize_batch(corpus) == bpe.tokenize_batch(corpus)
     assert tok.backend in ("rust", "python")
 

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from zb_pipeline.testing import MultiProcessError, run_multiprocess, run_torchrun
 
 
-def _allreduce_rank(rank: int, world_size: int, scale: float) -> tuple[float, int, int, str]:
+def _allreduce_rank(rank: int, world_size: int, scale: float) -> tuple[float, int, int, str, str]:
     t = torch.tensor([float(rank) * scale])
     dist.all_reduce(t)
-    return t.item(), dist.get_rank(), torch.get_num_threads(), os.environ["RANK"]
+    return t.item(), dist.get_rank(), torch.get_num_threads(), os.environ["RANK"], os.environ.get("ZB_T", "-")
 
 
 def _rank1_raises(rank: int, world_size: int) -> int:
@@ -51,12 +51,18 @@ def _returns_unpicklable(rank: int, world_size: int):
 
 
 def test_results_per_rank_and_one_thread():
-    out = run_multiprocess(_allreduce_rank, 3, args=(2.0,), timeout_s=60)
-    assert out == [(6.0, 0, 1, "0"), (6.0, 1, 1, "1"), (6.0, 2, 1, "2")]
+    out = run_multiprocess(_allreduce_rank, 3, args=(2.0,), timeout_s=60, env={"ZB_T": "yes"})
+    assert out == [(6.0, 0, 1, "0", "yes"), (6.0, 1, 1, "1", "yes"), (6.0, 2, 1, "2", "yes")]
 
 
 def test_single_rank_works():
-    assert run_multiprocess(_allreduce_rank, 1, args=(5.0,), timeout_s=60) == [(0.0, 0, 1, "0")]
+    assert run_multiprocess(_allreduce_rank, 1, args=(5.0,), timeout_s=60) == [(0.0, 0, 1, "0", "-")]
+
+
+@pytest.mark.slow
+def test_spawn_start_method():
+    out = run_multiprocess(_allreduce_rank, 2, args=(1.0,), timeout_s=60, start_method="spawn")
+    assert out == [(1.0, 0, 1, "0", "-"), (1.0, 1, 1, "1", "-")]
 
 
 def test_failing_rank_reports_traceback_and_others_do_not_hang():
@@ -96,6 +102,7 @@ def test_lambda_is_rejected_up_front():
         run_multiprocess(lambda r, w: r, 1)
 
 
+@pytest.mark.slow  # ~30 s on a busy 2-core machine (three torch imports); the CLI tests use run_torchrun too
 def test_torchrun_output_and_exit_code(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(

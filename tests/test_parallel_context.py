@@ -110,3 +110,27 @@ def test_peer_failure_does_not_hang():
     with pytest.raises(MultiProcessError) as info:
         run_multiprocess(_dies_then_peer_collective, 2, timeout_s=60, failure_grace_s=10)
     assert next(iter(info.value.failures)) == 1
+
+
+def _cuda_context(rank: int, world_size: int) -> tuple[str, str, float]:
+    from megatron.parallel.data_parallel import DataParallelReducer
+
+    ctx = ParallelContext.initialize(timeout=timedelta(seconds=60))  # backend chosen automatically
+    lin = torch.nn.Linear(8, 4).to(ctx.device)
+    reducer = DataParallelReducer(lin, ctx)
+    reducer.zero_grad()
+    reducer.prepare_microbatch(is_last=True)
+    lin(torch.ones(2, 8, device=ctx.device)).sum().backward()
+    reducer.finish()
+    t = torch.ones(1, device=ctx.device)
+    dist.all_reduce(t)
+    out = (ctx.backend, str(ctx.device), float(lin.bias.main_grad.sum()) + t.item())
+    ctx.shutdown()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nccl_chosen_on_gpu():
+    out = run_multiprocess(_cuda_context, 1, timeout_s=120, init_process_group=False)
+    assert out == [("nccl", "cuda:0", 8.0 + 1.0)]

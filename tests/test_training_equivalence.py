@@ -127,7 +127,9 @@ def _check(world_size: int, groups: list[tuple[list[str], dict[str, list[str]]]]
             refs.append(ref)
     results = run_multiprocess(_worker, world_size, args=(cases,), timeout_s=300)[0]
     for label, ref, got in zip(labels, refs, results):
-        got = {k: ({n: torch.from_numpy(a) for n, a in v.items()} if isinstance(v, dict) else v) for k, v in got.items()}
+        got = {
+            k: ({n: torch.from_numpy(a) for n, a in v.items()} if isinstance(v, dict) else v) for k, v in got.items()
+        }
         _assert_same_training(got, ref, label)
 
 

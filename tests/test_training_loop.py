@@ -16,7 +16,8 @@ MEGATRON_LINE = re.compile(
     r"^ iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): [\d.]+ \|"
     r" throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| learning rate: \d\.\d{6}E[+-]\d\d \|"
     r" global batch size: +(\d+) \| lm loss: (\d\.\d{6}E[+-]\d\d) \| loss scale: 1\.0 \| grad norm: [\d.]+ \|"
-    r" number of skipped iterations: +0 \| number of nan iterations: +0 \| tokens/s: [\d.]+ \| model TFLOP/s: [\d.]+ \|$"
+    r" number of skipped iterations: +0 \| number of nan iterations: +0 \|"
+    r" tokens/s: [\d.]+ \| model TFLOP/s: [\d.]+ \|$"
 )
 
 ARGV = [
@@ -41,7 +42,12 @@ def test_pretrain_logs_validates_exits_and_learns():
     assert [it for it, _ in summary.validation_losses] == [10, 20, 30]
     assert text.count("validation loss at iteration") == 3 and "lm loss PPL:" in text
     assert "exiting program at iteration 30" in text
-    for needle in ("layout: world=1, tp=1, pp=1, dp=1", "parameters on pipeline stage 0:", "num_layers", "final lm loss:"):
+    for needle in (
+        "layout: world=1, tp=1, pp=1, dp=1",
+        "parameters on pipeline stage 0:",
+        "num_layers",
+        "final lm loss:",
+    ):
         assert needle in text
 
 
@@ -60,7 +66,9 @@ def test_log_line_format_is_megatrons():
     )  # fmt: skip
     line = format_iteration_line(stats)
     assert line.startswith(" iteration        7/     100 | consumed samples:          224 |")
-    assert "| learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 6.250000E+00 | loss scale: 1.0 |" in line
+    assert (
+        "| learning rate: 3.000000E-04 | global batch size:    32 | lm loss: 6.250000E+00 | loss scale: 1.0 |" in line
+    )
     assert MEGATRON_LINE.match(line)
 
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 from megatron.config.errors import require
 
-
 NO_DATA_MESSAGE = "no training data: pass --data-path PREFIX (a preprocessed .bin/.idx dataset) or --mock-data"
 
 

@@ -86,6 +86,18 @@ class BlendedDataset:
             raise IndexError(f"sample {k} out of range for a blend of {self.size} samples")
         return self.datasets[int(self.dataset_index[k])].tokens(int(self.dataset_sample_index[k]))
 
+    def tokens_batch(self, ks) -> np.ndarray:
+        """int64 [len(ks), seq_length + 1]: samples ks at once."""
+        ks = np.asarray(ks, dtype=np.int64)
+        if ks.size and (ks.min() < 0 or ks.max() >= self.size):
+            raise IndexError(f"sample indices must lie in [0, {self.size}) for a blend of {self.size} samples")
+        out = np.empty((ks.size, self.seq_length + 1), dtype=np.int64)
+        which = self.dataset_index[ks]
+        for d in np.unique(which).tolist():
+            mask = which == d
+            out[mask] = self.datasets[d].tokens_batch(self.dataset_sample_index[ks[mask]])
+        return out
+
     def __getitem__(self, k: int) -> dict:
         return sample_dict(self.tokens(k))
 

@@ -164,6 +164,7 @@ class GPTDataset:
         self._lengths = indexed.sequence_lengths
         self._offsets = indexed.token_offsets
         self._tokens = indexed.tokens
+        self._doc_index64: np.ndarray | None = None
 
     def _build(self, use_cpp: bool | None) -> dict[str, np.ndarray]:
         begin, end = self.document_range
@@ -208,6 +209,18 @@ class GPTDataset:
                     return out
             pos += 1
             off = 0
+
+    def tokens_batch(self, ks) -> np.ndarray:
+        """int64 [len(ks), seq_length + 1]: samples ks at once (one C++ call when the helpers are built)."""
+        ks = np.asarray(ks, dtype=np.int64)
+        if ks.size and (ks.min() < 0 or ks.max() >= self.num_samples):
+            raise IndexError(f"sample indices must lie in [0, {self.num_samples}) for the {self.split_name} split")
+        if self._doc_index64 is None:
+            self._doc_index64 = self.document_index.astype(np.int64)
+        starts = self.sample_index[self.shuffle_index[ks]]
+        return helpers.gather_samples(
+            self._tokens, self._offsets, self._lengths, self._doc_index64, starts, self.seq_length + 1
+        )
 
     def __getitem__(self, k: int) -> dict:
         return sample_dict(self.tokens(k))

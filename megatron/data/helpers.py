@@ -116,3 +116,42 @@ def build_blending_indices(weights, size: int, *, use_cpp: bool | None = None) -
     if size < 0:
         raise ValueError(f"{size=} must be >= 0")
     return _cpp.build_blending_indices(w, int(size))
+
+
+def gather_samples(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    doc_index: np.ndarray,
+    starts: np.ndarray,
+    sample_tokens: int,
+    *,
+    use_cpp: bool | None = None,
+) -> np.ndarray:
+    """int64 [len(starts), sample_tokens]: row b holds `sample_tokens` tokens of the stream doc_index[...] starting at
+    starts[b] = (position in doc_index, token offset); `offsets`/`lengths` locate each sequence in `tokens`."""
+    starts = np.ascontiguousarray(starts, dtype=np.int64).reshape(-1, 2)
+    if use_cpp is None:
+        use_cpp = HAVE_CPP and tokens.dtype in (np.uint16, np.int32)
+    if use_cpp:
+        return _cpp.gather_samples(
+            tokens,
+            np.ascontiguousarray(offsets, dtype=np.int64),
+            np.ascontiguousarray(lengths, dtype=np.int32),
+            np.ascontiguousarray(doc_index, dtype=np.int64),
+            starts,
+            int(sample_tokens),
+        )
+    out = np.empty((starts.shape[0], sample_tokens), dtype=np.int64)
+    for b, (pos, off) in enumerate(starts.tolist()):
+        filled = 0
+        while filled < sample_tokens:
+            seq = int(doc_index[pos])
+            take = min(int(lengths[seq]) - off, sample_tokens - filled)
+            if take > 0:
+                begin = int(offsets[seq]) + off
+                out[b, filled : filled + take] = tokens[begin : begin + take]
+                filled += take
+            pos += 1
+            off = 0
+    return out

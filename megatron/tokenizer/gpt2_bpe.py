@@ -68,10 +68,10 @@ class GPT2BPETokenizer(MegatronTokenizer):
             return self._calibrate(texts)
         return [e.ids for e in self._rust.encode_batch_fast(texts, add_special_tokens=False)]
 
-    calibration_chars = 32 * 1024
+    calibration_chars = 256 * 1024
 
     def _calibrate(self, texts: list[str]) -> list[list[int]]:
-        """Encode the first ~32k characters with both backends, check they agree, keep the cheaper one."""
+        """Encode the first ~256k characters with both backends, check they agree, keep the cheaper one."""
         n, chars = 0, 0
         while n < len(texts) and chars < self.calibration_chars:
             chars += len(texts[n])

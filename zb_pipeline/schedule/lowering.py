@@ -18,6 +18,11 @@ The communication model (strict, as NCCL imposes it)
   block (their inputs arrived in an earlier batch).
 ``validate.validate_lowered`` simulates exactly this model.
 
+Dependencies (the same for the validator and the simulator)
+-----------------------------------------------------------
+F of ``(s, mb)`` needs F of ``(s - 1, mb)``; B or BW of ``(s, mb)`` needs its own F and the B or BW of
+``(s + 1, mb)`` (on the last stage only its own F: the loss); W needs its B.
+
 The algorithm
 -------------
 1. *Event order.*  Run the compute plan once under unit costs (F = B = W = 1, BW = 2, no communication time):
@@ -114,7 +119,7 @@ class LoweredSchedule:
 
 
 def action_deps(kind: Kind, stage: int, microbatch: int, num_stages: int, m: int) -> tuple[int, ...]:
-    """The event keys a compute action waits for (see the module's dependency rules)."""
+    """The event keys a compute action waits for (the dependency rules of the module docstring)."""
     base = (stage * m + microbatch) * 3
     if kind is _F:
         return (base - 3 * m + SLOT_F,) if stage > 0 else ()

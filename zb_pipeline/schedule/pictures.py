@@ -78,7 +78,12 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
             ci = chunk_of[a.stage]
             color = _shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
             ax.broken_barh(
-                [(ta.start, ta.duration)], (y - 0.4, 0.8), facecolors=[color], edgecolor="white", linewidth=0.6, zorder=2
+                [(ta.start, ta.duration)],
+                (y - 0.4, 0.8),
+                facecolors=[color],
+                edgecolor="white",
+                linewidth=0.6,
+                zorder=2,
             )
             text = str(a.microbatch)
             if ta.duration * px_per_unit >= 6.5 * len(text) + 2:
@@ -103,7 +108,9 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
         ax.spines[side].set_visible(False)
     ax.set_title(title or timeline_title(result), fontsize=11, loc="left")
 
-    kinds = [k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(ta.action.kind is k for tl in result.timeline for ta in tl)]
+    kinds = [
+        k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(ta.action.kind is k for tl in result.timeline for ta in tl)
+    ]
     handles = [Patch(facecolor=KIND_COLORS[k], label={Kind.BW: "BW (full backward)"}.get(k, k.value)) for k in kinds]
     if chunks > 1:
         handles += [Patch(facecolor=_shade("#777777", 0.5), label="later chunk (lighter)")]
@@ -151,7 +158,7 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
                 bg = _ANSI_BG[a.kind][1 if chunk_of[a.stage] > 0 else 0]
                 cells.append(f"\x1b[{bg};30m{box}\x1b[0m")
             else:
-                cells.append(box if w > len(text) or w == len(text) else "#" * w)
+                cells.append(box if w >= len(text) else "#" * w)
             col = c1
         if col < ncols:
             cells.append(("\x1b[2m" + "." * (ncols - col) + "\x1b[0m") if color else "." * (ncols - col))

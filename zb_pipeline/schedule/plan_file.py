@@ -117,7 +117,9 @@ def plan_from_dict(d: Any) -> Schedule:
             if a.stage >= S:
                 raise PlanFileError(f"{where}: {text!r} names stage {a.stage}, but stages are 0..{S - 1}")
             if a.microbatch >= m:
-                raise PlanFileError(f"{where}: {text!r} names microbatch {a.microbatch}, but microbatches are 0..{m - 1}")
+                raise PlanFileError(
+                    f"{where}: {text!r} names microbatch {a.microbatch}, but microbatches are 0..{m - 1}"
+                )
             if placement[a.stage] != r:
                 raise PlanFileError(
                     f"{where}: {text!r} runs stage {a.stage}, which stage_to_rank places on rank {placement[a.stage]}"

@@ -28,7 +28,9 @@ from zb_pipeline.schedule.ir import Action, Kind, Schedule
 _SLOT_F = 0  # F(s, mb) ended
 _SLOT_G = 1  # input gradient of (s, mb) ready: B or BW ended
 _SLOT_W = 2  # W(s, mb) ended (or the W half of a BW)
-_SLOTS_OF = {Kind.F: (_SLOT_F,), Kind.B: (_SLOT_G,), Kind.W: (_SLOT_W,), Kind.BW: (_SLOT_G, _SLOT_W)}
+# Enum members as plain constants: the loop compares kinds by identity (hashing a str Enum is slow).
+_F, _B, _W, _BW = Kind.F, Kind.B, Kind.W, Kind.BW
+_new, _set = object.__new__, object.__setattr__
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,14 @@ class TimedAction:
         return self.end - self.start
 
 
+def _timed(rank: int, index: int, action: Action, start: float, end: float) -> TimedAction:
+    """``TimedAction(...)`` without the frozen dataclass's per-field ``__init__`` overhead (hot loop)."""
+    ta = _new(TimedAction)
+    d = ta.__dict__
+    d["rank"], d["index"], d["action"], d["start"], d["end"] = rank, index, action, start, end
+    return ta
+
+
 @dataclass(frozen=True)
 class SimResult:
     """What the simulator reports for one plan under one set of costs."""
@@ -60,6 +70,9 @@ class SimResult:
     _by_action: dict[Action, TimedAction] = field(default_factory=dict, repr=False, compare=False)
 
     def timed(self, action: Action) -> TimedAction:
+        """The timed entry of ``action`` (the lookup table is built on first use)."""
+        if not self._by_action:
+            self._by_action.update((ta.action, ta) for tl in self.timeline for ta in tl)
         try:
             return self._by_action[action]
         except KeyError:
@@ -77,45 +90,6 @@ class SimResult:
         return max((tl[-1].end for tl in self.timeline if tl), default=0.0)
 
 
-def _duration(action: Action, costs: StageCosts) -> float:
-    s = action.stage
-    k = action.kind
-    if k is Kind.F:
-        return costs.f[s]
-    if k is Kind.B:
-        return costs.b[s]
-    if k is Kind.W:
-        return costs.w[s]
-    return costs.b[s] + costs.w[s]  # BW
-
-
-def _mem_delta(action: Action, costs: StageCosts) -> float:
-    s = action.stage
-    k = action.kind
-    if k is Kind.F:
-        return costs.mem_f[s]
-    if k is Kind.B:
-        return costs.mem_b[s]
-    if k is Kind.W:
-        return costs.mem_w[s]
-    return costs.mem_b[s] + costs.mem_w[s]  # BW
-
-
-def rank_peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
-    """Each rank's peak of the running sum of memory deltas over its compute actions (0 if it never rises)."""
-    _check_costs(schedule, costs)
-    peaks = []
-    for acts in schedule.ranks:
-        cur = peak = 0.0
-        for a in acts:
-            if a.kind.is_compute:
-                cur += _mem_delta(a, costs)
-                if cur > peak:
-                    peak = cur
-        peaks.append(peak)
-    return tuple(peaks)
-
-
 def _check_costs(schedule: Schedule, costs: StageCosts) -> None:
     if costs.num_stages != schedule.num_stages:
         raise ValueError(
@@ -124,104 +98,162 @@ def _check_costs(schedule: Schedule, costs: StageCosts) -> None:
         )
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
-    """Simulate ``schedule`` under ``costs``; raises ``ValueError`` if the plan is malformed or can never finish."""
+def rank_peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
+    """Each rank's peak of the running sum of memory deltas over its compute actions (0 if it never rises)."""
     _check_costs(schedule, costs)
-    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
-    placement = schedule.stage_to_rank
-    comm = costs.comm
+    mf, mb_, mw = costs.mem_f, costs.mem_b, costs.mem_w
+    peaks = []
+    for acts in schedule.ranks:
+        cur = peak = 0.0
+        for a in acts:
+            k, s = a.kind, a.stage
+            if k is _F:
+                cur += mf[s]
+            elif k is _B:
+                cur += mb_[s]
+            elif k is _W:
+                cur += mw[s]
+            elif k is _BW:
+                cur += mb_[s] + mw[s]
+            else:
+                continue
+            if cur > peak:
+                peak = cur
+        peaks.append(peak)
+    return tuple(peaks)
 
-    # Static checks that keep the event loop simple: every action in range, on its stage's rank, at most once.
-    seen: dict[tuple[int, int, int], tuple[int, int, Action]] = {}  # (stage, mb, slot) -> (rank, position, action)
+
+def _check_plan(schedule: Schedule) -> None:
+    """Every compute action in range, on its stage's rank, and no work done twice (B and BW, W and BW)."""
+    S, m = schedule.num_stages, schedule.num_microbatches
+    placement = schedule.stage_to_rank
+    seen = bytearray(S * m * 3)
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            if not a.kind.is_compute:
+            k, s, mb = a.kind, a.stage, a.microbatch
+            if k is _F:
+                slots: tuple[int, ...] = (_SLOT_F,)
+            elif k is _B:
+                slots = (_SLOT_G,)
+            elif k is _W:
+                slots = (_SLOT_W,)
+            elif k is _BW:
+                slots = (_SLOT_G, _SLOT_W)
+            else:
                 continue
-            if a.stage >= S or a.microbatch >= m:
+            if s >= S or mb >= m:
                 raise ValueError(
                     f"rank {r} position {i}: {a} is outside the plan (stages 0..{S - 1}, microbatches 0..{m - 1})"
                 )
-            if placement[a.stage] != r:
-                raise ValueError(f"rank {r} position {i}: {a} belongs to stage {a.stage} on rank {placement[a.stage]}")
-            for slot in _SLOTS_OF[a.kind]:
-                key = (a.stage, a.microbatch, slot)
-                if key in seen:
-                    r0, i0, a0 = seen[key]
-                    raise ValueError(f"rank {r} position {i}: {a} repeats work of {a0} at rank {r0} position {i0}")
-                seen[key] = (r, i, a)
+            if placement[s] != r:
+                raise ValueError(f"rank {r} position {i}: {a} belongs to stage {s} on rank {placement[s]}")
+            base = (s * m + mb) * 3
+            for slot in slots:
+                if seen[base + slot]:
+                    what = ("F", "B", "W")[slot]
+                    raise ValueError(f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}")
+                seen[base + slot] = 1
 
-    done_time: dict[int, float] = {}  # event key -> end time
-    done_rank: dict[int, int] = {}  # event key -> rank that produced it
+
+def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+    """Simulate ``schedule`` under ``costs``; raises ``ValueError`` if the plan is malformed or can never finish."""
+    _check_costs(schedule, costs)
+    _check_plan(schedule)
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    comm = costs.comm
+    f_cost, b_cost, w_cost = costs.f, costs.b, costs.w
+    mem_f, mem_b, mem_w = costs.mem_f, costs.mem_b, costs.mem_w
+    step = 3 * m  # key distance between neighbouring stages
+
+    done_time = [-1.0] * (S * m * 3)  # event key -> end time (-1: not yet)
+    done_rank = [0] * (S * m * 3)  # event key -> rank that produced it
     waiting: dict[int, list[int]] = {}  # event key -> ranks blocked on it
-    blocked_on: list[int | None] = [None] * p
+    blocked_on: list[int] = [-1] * p
     pos = [0] * p
     clock = [0.0] * p
+    mem_cur = [0.0] * p
+    mem_peak = [0.0] * p
+    busy = [0.0] * p
     timelines: list[list[TimedAction]] = [[] for _ in range(p)]
-    by_action: dict[Action, TimedAction] = {}
 
     ready = list(range(p - 1, -1, -1))
     while ready:
         r = ready.pop()
-        blocked_on[r] = None
+        blocked_on[r] = -1
         acts = schedule.ranks[r]
+        out = timelines[r]
         i = pos[r]
         t_rank = clock[r]
+        cur, peak, work = mem_cur[r], mem_peak[r], busy[r]
         n = len(acts)
         while i < n:
             a = acts[i]
-            kind = a.kind
-            if not kind.is_compute:
+            k, s = a.kind, a.stage
+            base = (s * m + a.microbatch) * 3
+            # dep1 / dep2: event keys this action waits for (-1: none).
+            if k is _F:
+                dep1, dep2 = (base - step if s > 0 else -1), -1
+                dur, dmem = f_cost[s], mem_f[s]
+            elif k is _W:
+                dep1, dep2 = base + _SLOT_G, -1
+                dur, dmem = w_cost[s], mem_w[s]
+            elif k is _B or k is _BW:
+                dep1 = base  # own F
+                dep2 = base + step + _SLOT_G if s < S - 1 else -1
+                if k is _B:
+                    dur, dmem = b_cost[s], mem_b[s]
+                else:
+                    dur, dmem = b_cost[s] + w_cost[s], mem_b[s] + mem_w[s]
+            else:  # communication: modelled by costs.comm
                 i += 1
                 continue
-            s, mb = a.stage, a.microbatch
-            base = (s * m + mb) * 3
-            # The dependencies of this action, as event keys.
-            if kind is Kind.F:
-                deps: tuple[int, ...] = (base - 3 * m + _SLOT_F,) if s > 0 else ()
-            elif kind is Kind.W:
-                deps = (base + _SLOT_G,)
-            else:  # B or BW
-                upstream = base + 3 * m + _SLOT_G if s < S - 1 else base + _SLOT_F
-                deps = (base + _SLOT_F, upstream) if s < S - 1 else (base + _SLOT_F,)
             start = t_rank
-            missing = None
-            for key in deps:
-                t = done_time.get(key)
-                if t is None:
-                    missing = key
+            if dep1 >= 0:
+                t = done_time[dep1]
+                if t < 0:
+                    waiting.setdefault(dep1, []).append(r)
+                    blocked_on[r] = dep1
                     break
-                if done_rank[key] != r:
+                if done_rank[dep1] != r:
                     t += comm
                 if t > start:
                     start = t
-            if missing is not None:
-                waiting.setdefault(missing, []).append(r)
-                blocked_on[r] = missing
-                break
-            end = start + _duration(a, costs)
-            ta = TimedAction(r, i, a, start, end)
-            timelines[r].append(ta)
-            by_action[a] = ta
+            if dep2 >= 0:
+                t = done_time[dep2]
+                if t < 0:
+                    waiting.setdefault(dep2, []).append(r)
+                    blocked_on[r] = dep2
+                    break
+                if done_rank[dep2] != r:
+                    t += comm
+                if t > start:
+                    start = t
+            end = start + dur
+            out.append(_timed(r, i, a, start, end))
             t_rank = end
-            if kind is Kind.F:
-                produced: tuple[int, ...] = (base + _SLOT_F,)
-            elif kind is Kind.B:
+            work += dur
+            cur += dmem
+            if cur > peak:
+                peak = cur
+            if k is _F:
+                produced: tuple[int, ...] = (base,)
+            elif k is _B:
                 produced = (base + _SLOT_G,)
-            elif kind is Kind.W:
+            elif k is _W:
                 produced = (base + _SLOT_W,)
             else:
                 produced = (base + _SLOT_G, base + _SLOT_W)
             for key in produced:
                 done_time[key] = end
                 done_rank[key] = r
-                woken = waiting.pop(key, None)
-                if woken:
-                    ready.extend(woken)
+                if key in waiting:
+                    ready.extend(waiting.pop(key))
             i += 1
         pos[r] = i
         clock[r] = t_rank
+        mem_cur[r], mem_peak[r], busy[r] = cur, peak, work
 
-    stuck = [r for r in range(p) if blocked_on[r] is not None]
+    stuck = [r for r in range(p) if blocked_on[r] >= 0]
     if stuck:
         parts = []
         for r in stuck:
@@ -229,10 +261,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             parts.append(f"rank {r} waits at position {pos[r]} ({a}) for {_describe(blocked_on[r], m)}")
         raise ValueError("plan can never finish: " + "; ".join(parts))
 
-    spans, busy = [], []
-    for tl in timelines:
-        spans.append(tl[-1].end - tl[0].start if tl else 0.0)
-        busy.append(sum(ta.end - ta.start for ta in tl))
+    spans = [tl[-1].end - tl[0].start if tl else 0.0 for tl in timelines]
     makespan = max(spans, default=0.0)
     bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
     return SimResult(
@@ -241,15 +270,13 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         rank_span=tuple(spans),
         makespan=makespan,
         bubble_rate=bubble,
-        peak_memory=rank_peak_memory(schedule, costs),
+        peak_memory=tuple(mem_peak),
         rank_compute=tuple(busy),
-        _by_action=by_action,
     )
 
 
-def _describe(key: int | None, m: int) -> str:
+def _describe(key: int, m: int) -> str:
     """Name the event a blocked rank waits for, the way a reader of the plan thinks of it."""
-    assert key is not None
     sm, slot = divmod(key, 3)
     s, mb = divmod(sm, m)
     if slot == _SLOT_F:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, Schedule
 from zb_pipeline.schedule.lowering import (
+    COMM_KINDS,
     SLOT_F,
     SLOT_G,
     CommBatch,
@@ -40,18 +41,38 @@ from zb_pipeline.schedule.lowering import (
 
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 _F, _B, _BW = Kind.F, Kind.B, Kind.BW
-_COMM_KINDS = frozenset({_SEND_F, _RECV_F, _SEND_B, _RECV_B})
 _MAX_STUCK_LISTED = 4
 
 
 class ScheduleError(ValueError):
-    """A plan is invalid.  ``str()`` is one line; ``grid`` shows the plan with the failing step marked."""
+    """A plan is invalid.  ``str()`` is one line; ``grid`` shows the plan with the failing step marked.
 
-    def __init__(self, message: str, *, rank: int | None = None, index: int | None = None, grid: str = "") -> None:
+    ``rank`` and ``index`` locate the failing step (``index`` is a position in ``schedule.ranks[rank]``, or a step
+    in a lowered plan's ``ranks[rank]``); either may be ``None`` when there is no such step (a missing action).
+    The grid is rendered on first access, so searches that try many plans pay nothing for it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        index: int | None = None,
+        grid: str | None = None,
+        plan: Schedule | LoweredSchedule | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.index = index
-        self.grid = grid
+        self._grid = grid
+        self._plan = plan
+
+    @property
+    def grid(self) -> str:
+        if self._grid is None:
+            mark = None if self.rank is None else (self.rank, self.index)
+            self._grid = "" if self._plan is None else render_grid(self._plan, mark=mark)
+        return self._grid
 
 
 # ----------------------------------------------------------------------------------------------------- grid
@@ -110,10 +131,11 @@ def render_grid(
     return "\n".join(lines)
 
 
-def _fail(plan: Schedule | LoweredSchedule, message: str, rank: int | None = None, index: int | None = None):
+def _fail(
+    plan: Schedule | LoweredSchedule, message: str, rank: int | None = None, index: int | None = None
+) -> ScheduleError:
     sched = plan.schedule if isinstance(plan, LoweredSchedule) else plan
-    grid = render_grid(plan, mark=None if rank is None else (rank, index))
-    return ScheduleError(f"{sched.name}: {message}", rank=rank, index=index, grid=grid)
+    return ScheduleError(f"{sched.name}: {message}", rank=rank, index=index, plan=plan)
 
 
 # --------------------------------------------------------------------------------------------- compute plan
@@ -447,7 +469,7 @@ def _bad_op(
     def bad(reason: str) -> ScheduleError:
         return _fail(lowered, f"rank {r} step {j} ({a}): {reason}", r, j)
 
-    if not isinstance(a, Action) or a.kind not in _COMM_KINDS:
+    if not isinstance(a, Action) or a.kind not in COMM_KINDS:
         return bad("a CommBatch holds only SEND_F/RECV_F/SEND_B/RECV_B actions")
     kind, s, mb, peer = a.kind, a.stage, a.microbatch, a.peer
     if s >= S or mb >= m:

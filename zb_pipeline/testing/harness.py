@@ -81,11 +81,11 @@ def run_multiprocess(
 
     ``fn`` must be a picklable top-level function and its return value picklable.  Each rank runs with one torch
     thread, ``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set (plus ``env``), and, unless
-    ``init_process_group=False``, the default process group already initialised on ``backend`` with a collective
-    timeout of ``timeout_s``.  Raises ``MultiProcessError`` if any rank raises, dies or is still running
-    ``timeout_s`` seconds after every rank started ``fn`` (stuck ranks are killed with SIGKILL on their whole process
-    group).  Start-up (process creation, imports, joining the group) has its own limit, ``startup_timeout_s``, so a
-    busy machine does not eat into the test's time.
+    ``init_process_group=False``, the default process group already initialised on ``backend`` (its own timeout is
+    ``max(timeout_s, startup_timeout_s)``; the parent enforces ``timeout_s``).  Raises ``MultiProcessError`` if any
+    rank raises, dies or is still running ``timeout_s`` seconds after every rank started ``fn`` (stuck ranks are
+    killed with SIGKILL on their whole process group).  Start-up (process creation, imports, joining the group) has
+    its own limit, ``startup_timeout_s``, so a busy machine does not eat into the test's time.
 
     ``start_method="forkserver"`` (default) forks ranks from a server that has torch imported already (about 0.2 s
     per rank instead of several seconds); ``"spawn"`` starts each rank from scratch.
@@ -104,8 +104,10 @@ def run_multiprocess(
             f"run_multiprocess: {fn_name} and its args must pickle (use a top-level function): {exc}"
         ) from exc
 
+    # Joining the group may wait for the slowest rank's start-up; the parent's kill enforces timeout_s anyway.
+    pg_timeout_s = max(timeout_s, startup_timeout_s)
     store = TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s)
     )
     rank_env = dict(os.environ)  # forkserver children inherit the server's environment, not ours: pass ours on
     rank_env.update(env or {})
@@ -131,7 +133,7 @@ def run_multiprocess(
                 p = ctx.Process(
                     target=_rank_main,
                     args=(rank, world_size, payload, list(sys.path), rank_env, writer, stack_files[rank]),
-                    kwargs=dict(backend=backend, init_group=init_process_group, pg_timeout_s=timeout_s),
+                    kwargs=dict(backend=backend, init_group=init_process_group, pg_timeout_s=pg_timeout_s),
                     name=f"zb-rank{rank}",
                     daemon=False,
                 )

@@ -7,42 +7,48 @@ forward ended) are local: no communication.
 
 How a plan is built.  A list scheduler simulates time with the *real* per-virtual-stage costs (``StageCosts``:
 T_F, T_B, T_W per stage and T_comm on every hand-off between ranks).  Whenever a rank is free it runs one action
-that is ready there, by priority (backward first, then forward, then the deferred weight-gradient work W, which
-fills what would otherwise be bubbles), subject to a per-rank memory cap.  Two rules keep the greedy sound:
+that is ready there, by priority (B before F, or F before B, per variant; the deferred weight-gradient work W only
+when nothing else may run, so W fills what would otherwise be bubbles), subject to a per-rank memory cap:
 
-- *Channel order.*  Messages between two ranks are consumed in the order they were produced, so lowering can post
-  every receive in the sender's order (the strict one-order-per-pair model) without buffering.
-- *Oldest microbatch first on memory.*  An action that grows a rank's memory for microbatch ``k`` may only run if
-  what remains of the oldest unfinished microbatch's growth on that rank still fits under the cap; the oldest one
-  can therefore always move.  If this optimistic rule ever leaves the plan stuck, the planner falls back to full
-  reservation (a microbatch enters the pipeline only when its whole footprint fits on every rank), which can never
-  get stuck as long as one microbatch fits.
+- *Channel order.*  A rank consumes each peer's hand-offs in the order the peer produced them, so lowering can post
+  every receive in the sender's order (the strict one-order-per-pair model) with no buffering.
+- *Memory by reservation* (variants "staged" and "full", see ``_ListScheduler``): a microbatch enters only when
+  every rank has room for it; these can never get stuck while one microbatch fits on every rank.
+- *Optimistic memory* (variant "optimistic"): room is checked per action, oldest microbatch first, and a hand-off
+  is sent only when its receiver has room; with entry pacing (one microbatch per bottleneck-rank period after a
+  burst) this fills tight caps much better, but it can get stuck, and a stuck variant is dropped.
 
-A few priority variants are planned and the one with the smallest simulated makespan is kept; memory never exceeds
-the cap by construction.
+Every variant's order is timed with the simulator under the given costs and the shortest makespan is kept (ties:
+the first).  Memory never exceeds the cap, by construction, on every rank.
 
-Memory caps, per rank ``r`` and in units of that rank's whole-share ``M_r = mem_f[r] + mem_f[2p-1-r]`` (the memory
-of one microbatch's forward through both of its chunks; with the default model each chunk's F adds ``M_r / 2``):
+Memory caps, in half-units of the rank's whole share ``M_r = mem_f[r] + mem_f[2p-1-r]`` (one chunk's F is
+``M_r / 2`` when the chunks are equal; with unequal chunks the cap is ``cap_units / 2 x M_r``, and never below
+one microbatch's footprint on that rank): ``cap_units(name, p)``
 
-- ``zb-v``:   ``p`` x M_r, the activation memory of 1F1B (ZB-V of the zero-bubble paper).
-- ``v-half``: ``ceil(p / 2) + 1`` half-units, i.e. ``(ceil(p / 2) + 1) / 2`` x M_r ... see ``cap_units``.
-- ``v-min``:  see ``cap_units``.
+- ``zb-v``:   ``2p``  half-units = ``p x M_r``, 1F1B's activation memory (the issue's ZB-V bound).
+- ``v-half``: ``p + 1`` half-units = ``(p + 1) / 2 x M_r``, about half of 1F1B.
+- ``v-min``:  ``ceil(2p / 3) + 1`` half-units, about a third of 1F1B.
+(all at least 2 half-units and at most 2p.)  Every rank's peak is at most the cap for every m; with uniform costs
+the highest rank peak equals the cap exactly for m = 3p and p <= 8 (tested; m < cap / 2 microbatches cannot fill
+it).  A ``mem_limit`` lowers the cap; one below a single microbatch's footprint is rejected with the smallest
+limit that works.
 
-The exact cap of each schedule for each ``p`` is ``cap_units(name, p)`` (a multiple of ``M_r / 2``); the plans never
-exceed it on any rank, and reach it exactly once ``m`` is large enough (tested).  A ``mem_limit`` smaller than the
-cap lowers it further; one below a single microbatch's footprint is rejected with the smallest limit that works.
+Bubble (measured, uniform F = B = W per chunk, T_comm = 0, m in [2p, 64], p <= 16; makespan minus m(F+B+W)):
+``zb-v`` at most 1.5p chunk-F times (max measured 1.44p at p = 9; 0 for p = 1, 1 for p = 2, 3; 21 at p = 16
+against 90 for 1F1B); ``v-half`` about 3p; ``v-min`` grows with m where the cap is tight (up to ~40% bubble at
+p >= 10).  ZB-V does not reach the paper's zero bubble: the list scheduler's warm-up is not the handcrafted one.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, Schedule, v_placement
 from zb_pipeline.schedule.registry import register
+from zb_pipeline.schedule.simulate import simulate
 
 _EPS = 1e-9
 
@@ -68,17 +74,16 @@ def cap_units(name: str, p: int) -> int:
 class _Policy:
     """One variant of the list scheduler."""
 
-    admission: str  # "staged": chunk-0 growth reserved on entry, the rest at the turn;  "full": all on entry
+    admission: str  # "staged": chunk-0 growth reserved on entry, the rest at the turn;  "full": all on entry;
+    # "optimistic": room checked per action (oldest microbatch first), may get stuck and is then dropped
     order: str  # "bfw": B > F > W;  "fbw": F > B > W;  "f1bf0w": chunk-1 F > B > chunk-0 F > W
     pace: float = 0.0  # microbatch k enters no earlier than (k - burst) x pace x period (0: no pacing)
-    burst: int = 0
+    burst: float = 0.0  # as a fraction of p (at least 1 when pacing)
 
 
 _POLICIES = tuple(
-    _Policy(adm, order, pace, burst)
-    for adm in ("staged", "full")
-    for order in ("bfw", "fbw")
-    for pace, burst in ((0.0, 0), (1.0, 1))
+    [_Policy("optimistic", o, pace, burst) for o in ("bfw", "fbw") for pace, burst in ((0, 0), (1, 0), (1, 0.5))]
+    + [_Policy(adm, order) for adm in ("staged", "full") for order in ("bfw", "fbw")]
 )
 
 
@@ -92,7 +97,8 @@ class _Plan:
 class _ListScheduler:
     """Time-stepped list scheduler over any two-chunk placement (see the module docstring for the rules).
 
-    Memory is reserved, never overrun: a microbatch *enters* (its first F on stage 0) only when every rank has room
+    Reservation variants ("staged", "full"; "optimistic" is described in the module docstring).  Memory is
+    reserved, never overrun: a microbatch *enters* (its first F on stage 0) only when every rank has room
     for its chunk-0 growth plus one chunk-1 growth, and it *turns* (its first F of chunk 1, stage S/2) only when
     every rank has room for the rest of its growth; turns happen in microbatch order.  Every other action then runs
     on memory already reserved for it, so no hand-off ever waits for memory and the channels never block.  The
@@ -112,9 +118,10 @@ class _ListScheduler:
         # growth of one microbatch on each rank before (g0) and from (g1) its turn
         self.g0 = [sum(max(0.0, costs.mem_f[s]) for s in stages_on[r] if s < self.turn_stage) for r in range(p)]
         self.g1 = [sum(pos[r]) - self.g0[r] for r in range(p)]
+        self.burst = max(1, int(policy.burst * p))
         self.period = max(sum(costs.f[s] + costs.b[s] + costs.w[s] for s in stages_on[r]) for r in range(p))
 
-    def run(self) -> _Plan:
+    def run(self) -> _Plan | None:
         p, S, m, pol = self.p, self.S, self.m, self.policy
         orders: list[list[Action]] = [[] for _ in range(p)]
         first = [0.0] * p
@@ -126,7 +133,7 @@ class _ListScheduler:
         inbox = [[key for key in channels if key[1] == r] for r in range(p)]
         local: list[list[Action]] = [[] for _ in range(p)]
         pending_w: list[list[Action]] = [[] for _ in range(p)]
-        entry_rank, turn_rank = self.place[0], self.place[self.turn_stage]
+        entry_rank = self.place[0]
         next_new = next_turn = 0
         events: list[float] = []
         total, n_done, t = 3 * S * m, 0, 0.0
@@ -134,7 +141,35 @@ class _ListScheduler:
         def room(extra: list[float]) -> bool:
             return all(mem[r] + reserved[r] + extra[r] <= self.caps[r] + _EPS for r in range(p))
 
+        growth_left = [[self.g0[r] + self.g1[r]] * m for r in range(p)]
+        oldest = [0] * p
+        incoming = [0.0] * p  # optimistic: growth promised to a rank for hand-offs already sent to it
+        prepaid: set[Action] = set()
+
+        def fits(r: int, a: Action) -> bool:
+            d = self.delta[a.kind][a.stage]
+            if d <= 0 or a in prepaid:
+                return True
+            used = mem[r] + incoming[r] + d
+            o = oldest[r]
+            if a.microbatch != o and o < m:
+                used += growth_left[r][o]
+            return used <= self.caps[r] + _EPS
+
+        def commit(r: int, a: Action, d: float) -> None:
+            growth_left[r][a.microbatch] -= d
+            while oldest[r] < m and growth_left[r][oldest[r]] <= _EPS:
+                oldest[r] += 1
+
         def can_run(a: Action) -> bool:
+            if pol.admission == "optimistic":
+                # A hand-off is sent only once its receiver has room: channels are consumed in order, so a
+                # message that could not be taken would block everything queued behind it.
+                nxt = self._successor(a)
+                r = self.place[a.stage]
+                if nxt is not None and self.place[nxt.stage] != r and not fits(self.place[nxt.stage], nxt):
+                    return False
+                return fits(r, a)
             if a.kind is Kind.F and a.stage == self.turn_stage and pol.admission == "staged":
                 return a.microbatch == next_turn and room(self.g1)
             return True
@@ -160,9 +195,10 @@ class _ListScheduler:
                     if can_run(a):
                         cands.append((key(a), a, i))
                 if r == entry_rank and next_new < m:
-                    paced = pol.pace and t + _EPS < (next_new - pol.burst) * pol.pace * self.period
+                    paced = pol.pace and t + _EPS < (next_new - self.burst) * pol.pace * self.period
                     need = [x + y for x, y in zip(self.g0, self.g1)]
-                    if not paced and room(need):
+                    admit = can_run(Action(0, Kind.F, next_new)) if pol.admission == "optimistic" else room(need)
+                    if not paced and admit:
                         a = Action(0, Kind.F, next_new)
                         cands.append((key(a), a, None))
                 if cands:
@@ -173,9 +209,10 @@ class _ListScheduler:
                         local[r].pop(src)
                     else:
                         next_new += 1
-                        grab = self.g0 if pol.admission == "staged" else [x + y for x, y in zip(self.g0, self.g1)]
-                        for q in range(p):
-                            reserved[q] += grab[q]
+                        if pol.admission != "optimistic":
+                            grab = self.g0 if pol.admission == "staged" else need
+                            for q in range(p):
+                                reserved[q] += grab[q]
                     if act.kind is Kind.F and act.stage == self.turn_stage and pol.admission == "staged":
                         next_turn += 1
                         for q in range(p):
@@ -195,7 +232,13 @@ class _ListScheduler:
                 d = self.delta[act.kind][act.stage]
                 mem[r] += d
                 if d > 0:
-                    reserved[r] -= d
+                    if pol.admission != "optimistic":
+                        reserved[r] -= d
+                    elif act in prepaid:
+                        prepaid.discard(act)
+                        incoming[r] -= d
+                    else:
+                        commit(r, act, d)
                 peak[r] = max(peak[r], mem[r])
                 if act.kind is Kind.B:
                     pending_w[r].append(Action(act.stage, Kind.W, act.microbatch))
@@ -205,17 +248,24 @@ class _ListScheduler:
                     if dst == r:
                         local[r].append(nxt)
                     else:
+                        dn = self.delta[nxt.kind][nxt.stage]
+                        if pol.admission == "optimistic" and dn > 0:
+                            prepaid.add(nxt)
+                            incoming[dst] += dn
+                            commit(dst, nxt, dn)
                         channels[(r, dst)].append((nxt, end + self.costs.comm))
                         heapq.heappush(events, end + self.costs.comm)
             if n_done >= total:
                 break
             if pol.pace and next_new < m:
-                due = (next_new - pol.burst) * pol.pace * self.period
+                due = (next_new - self.burst) * pol.pace * self.period
                 if due > t + _EPS:
                     heapq.heappush(events, due)
             while events and events[0] <= t + _EPS:
                 heapq.heappop(events)
             if not events:
+                if pol.admission == "optimistic":
+                    return None
                 raise RuntimeError(f"V list scheduler stuck at t={t} with {total - n_done} actions left; this is a bug")
             t = heapq.heappop(events)
         makespan = max(free_at[r] - first[r] for r in range(p))
@@ -234,20 +284,25 @@ class _ListScheduler:
 
 def plan_list_schedule(
     stage_to_rank: tuple[int, ...], m: int, costs: StageCosts, caps: list[float], policy: _Policy
-) -> _Plan:
-    """Run the memory-capped list scheduler once with one policy."""
+) -> _Plan | None:
+    """Run the memory-capped list scheduler once with one policy (``None``: an optimistic variant got stuck)."""
     return _ListScheduler(stage_to_rank, m, costs, caps, policy).run()
 
 
-def _plan_best(stage_to_rank: tuple[int, ...], m: int, costs: StageCosts, caps: list[float]) -> _Plan:
-    """Plan every policy variant and keep the smallest simulated makespan (ties: the first)."""
-    best: _Plan | None = None
+def plan_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
+    """Every policy variant's plan (stuck optimistic ones left out) with its simulated makespan under ``costs``.
+
+    The list scheduler's own clock can start an action later than its dependencies allow (it waited for room), so
+    variants are compared by the simulator's as-soon-as-possible timing of their orders.
+    """
+    place = v_placement(p, 2)
+    out = []
     for policy in _POLICIES:
-        plan = plan_list_schedule(stage_to_rank, m, costs, caps, policy)
-        if best is None or plan.makespan < best.makespan - _EPS:
-            best = plan
-    assert best is not None
-    return best
+        plan = plan_list_schedule(place, m, costs, caps, policy)
+        if plan is not None:
+            sched = Schedule(name, p, 2 * p, m, place, plan.ranks)
+            out.append((simulate(sched, costs).makespan, sched))
+    return out
 
 
 def rank_caps(name: str, p: int, costs: StageCosts, mem_limit: float | None) -> list[float]:
@@ -263,10 +318,8 @@ def rank_caps(name: str, p: int, costs: StageCosts, mem_limit: float | None) -> 
         cap = max(units * whole / 2.0, need)
         if mem_limit is not None:
             if mem_limit + _EPS < need:
-                smallest = max(
-                    sum(max(0.0, d[s]) for s in range(S) if place[s] == q for d in (costs.mem_f, costs.mem_b, costs.mem_w))
-                    for q in range(p)
-                )
+                mems = (costs.mem_f, costs.mem_b, costs.mem_w)
+                smallest = max(sum(max(0.0, d[s]) for s in range(S) if place[s] == q for d in mems) for q in range(p))
                 raise ValueError(
                     f"mem_limit={mem_limit:g} is below what {name} needs on rank {r} (one microbatch through both "
                     f"chunks: {need:g}); the smallest limit that works is {smallest:g}"
@@ -286,14 +339,17 @@ def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_lim
         if costs.mem_f[s] < 0:
             raise ValueError(f"{name}: mem_f of stage {s} is {costs.mem_f[s]}; forward memory must be >= 0")
     caps = rank_caps(name, p, costs, mem_limit)
-    place = v_placement(p, 2)
-    plan = _plan_best(place, m, costs, caps)
-    return Schedule(name=name, num_ranks=p, num_stages=2 * p, num_microbatches=m, stage_to_rank=place, ranks=plan.ranks)
+    best: tuple[float, Schedule] | None = None
+    for span, sched in plan_variants(name, p, m, costs, caps):
+        if best is None or span < best[0] - _EPS:  # ties: the first variant
+            best = (span, sched)
+    assert best is not None  # the staged and full variants never get stuck
+    return best[1]
 
 
 @register("zb-v", chunks=(2,), placement="v", description="ZB-V: V placement, split B/W, 1F1B memory (p x M)")
 def zb_v(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
-    """ZB-V: peak memory at most p x the rank's whole-share mem_f; near-zero bubble once m >= 2p."""
+    """ZB-V: peak memory at most p x the rank's whole-share mem_f; small bubble (<= 1.5p chunk-F) once m >= 2p."""
     return plan_v("zb-v", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
@@ -307,6 +363,3 @@ def v_half(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float |
 def v_min(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """V-Min: peak memory at most (ceil(2p / 3) + 1) / 2 x the rank's whole-share mem_f."""
     return plan_v("v-min", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
-
-
-__all__ = ["cap_units", "plan_list_schedule", "plan_v", "rank_caps", "zb_v", "v_half", "v_min", "math"]

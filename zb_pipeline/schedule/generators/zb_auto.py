@@ -116,8 +116,12 @@ def list_schedule_py(
     theta_w: float,
     f_fits: bool,
     guard: bool,
+    bound: float = INF,
 ) -> tuple[list[list[int]], float]:
-    """One pass of the list scheduler: per-rank action codes (kind * m + mb) and the makespan."""
+    """One pass of the list scheduler: per-rank action codes (kind * m + mb) and the makespan.
+
+    A pass whose span grows beyond ``bound`` on some rank stops early and reports ``inf`` (the search's cut).
+    """
     p = len(st.f)
     f, b, w, c = st.f, st.b, st.w, st.comm
     mf, mb, mw, cap = st.mem_f, st.mem_b, st.mem_w, st.cap
@@ -214,6 +218,8 @@ def list_schedule_py(
             mem[r] += mw[r]
             plans[r].append(2 * m + i)
         free[r] = end
+        if end - first[r] > bound:
+            return plans, INF
         if end < wake[r]:
             wake[r] = end
             heapq.heappush(heap, (end, -r))
@@ -352,15 +358,15 @@ def _backend(name: str | None) -> str:
 
 
 def _run(
-    backend: str, m: int, st: StageArrays, pol: Policy, want_plan: bool = True
+    backend: str, m: int, st: StageArrays, pol: Policy, want_plan: bool = True, bound: float = INF
 ) -> tuple[list[list[int]] | None, float]:
     """One pass; with ``want_plan=False`` the C++ pass skips building the plan (the search only needs spans)."""
     if backend == "cpp":
         return _cpp.list_schedule(
             m, st.f, st.b, st.w, st.comm, st.mem_f, st.mem_b, st.mem_w, st.cap,
-            pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, want_plan,
+            pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, want_plan, bound,
         )  # fmt: skip
-    return list_schedule_py(m, st, pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard)
+    return list_schedule_py(m, st, pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, bound)
 
 
 def resolve_mem_limit(p: int, costs: StageCosts, mem_limit: float | None) -> tuple[float, ...]:

@@ -1,0 +1,202 @@
+"""Stage models, pipeline rank bodies and single-process references for the runtime tests (test_runtime_*.py).
+
+Everything here is top-level so that ``run_multiprocess`` can pickle it.  A rank body returns only numpy arrays and
+Python values (tensors do not survive the harness's pipe).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zb_pipeline.runtime.deferrable_linear import DeferrableLinear
+from zb_pipeline.runtime.executor import PipelineExecutor
+from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+from zb_pipeline.runtime.trace import Tracer
+from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.lowering import LoweredSchedule, lower
+from zb_pipeline.schedule.plan_file import load_plan
+from zb_pipeline.schedule.registry import generate
+
+BATCH, HIDDEN = 3, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipeline run: which plan, which model, which runtime options."""
+
+    name: str
+    p: int
+    m: int
+    chunks: int | None = None
+    model: str = "mlp"  # "mlp" (deferrable MLP), "generic" (plain nn.Linear + LayerNorm: GenericSplit), "gpt"
+    plan_file: str | None = None
+    check: bool = True
+    iterations: int = 1
+    trace: bool = False
+    timeout_s: float = 30.0
+    fault: dict = field(default_factory=dict)  # {"rank": r, "signal": "KILL"|"STOP", "at": step index}
+
+    def schedule(self) -> Schedule:
+        if self.plan_file is not None:
+            return load_plan(self.plan_file)
+        return generate(self.name, self.p, self.m, chunks=self.chunks)
+
+
+# ----------------------------------------------------------------------------------------------- stage models
+class MLPStage(torch.nn.Sequential):
+    def __init__(self, stage: int, *, deferrable: bool = True) -> None:
+        torch.manual_seed(1000 + stage)
+        if deferrable:
+            super().__init__(DeferrableLinear(HIDDEN, HIDDEN), torch.nn.Tanh(), DeferrableLinear(HIDDEN, HIDDEN))
+        else:
+            super().__init__(
+                torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.LayerNorm(HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, HIDDEN)
+            )
+
+
+def mlp_input(mb: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(50 + mb)
+    return torch.randn(BATCH, HIDDEN, generator=g)
+
+
+def mlp_target(mb: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(90 + mb)
+    return torch.randn(BATCH, HIDDEN, generator=g)
+
+
+class Model:
+    """Builds stages and supplies input/loss functions for a case (same on every rank and in the reference)."""
+
+    def __init__(self, case: Case, num_stages: int) -> None:
+        self.case, self.num_stages = case, num_stages
+        self.m = case.m
+        if case.model == "gpt":
+            from megatron.model import GPTConfig
+
+            self.cfg = GPTConfig(
+                num_layers=num_stages,
+                hidden_size=16,
+                num_attention_heads=2,
+                vocab_size=61,
+                seq_length=6,
+                make_vocab_size_divisible_by=8,
+                attention_dropout=0.0,
+                hidden_dropout=0.0,
+                untie_embeddings_and_output_weights=True,
+            )
+            self.specs = [TensorSpec((self.cfg.seq_length, 2, self.cfg.hidden_size))] * (num_stages - 1)
+        else:
+            self.specs = [TensorSpec((BATCH, HIDDEN))] * (num_stages - 1)
+
+    def stage(self, s: int) -> torch.nn.Module:
+        if self.case.model == "gpt":
+            from megatron.model.gpt import build_gpt_stages
+
+            return build_gpt_stages(self.cfg, self.num_stages, stages=[s], seed=77)[0]
+        return MLPStage(s, deferrable=self.case.model == "mlp")
+
+    def tokens(self, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(300 + mb)
+        t = torch.randint(0, self.cfg.vocab_size, (2, self.cfg.seq_length + 1), generator=g)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def input_fn(self, mb: int) -> torch.Tensor:
+        return self.tokens(mb)[0] if self.case.model == "gpt" else mlp_input(mb)
+
+    def forward_fn(self, module: torch.nn.Module, x: torch.Tensor, s: int, mb: int) -> torch.Tensor:
+        if self.case.model == "gpt" and s == self.num_stages - 1:
+            return module(x, labels=self.tokens(mb)[1])
+        return module(x)
+
+    def loss_fn(self, out: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = out.mean() if self.case.model == "gpt" else ((out - mlp_target(mb)) ** 2).mean()
+        return loss / self.m, loss
+
+
+# ------------------------------------------------------------------------------------------------ rank bodies
+def _grads(stages: dict[int, torch.nn.Module]) -> dict[int, dict[str, np.ndarray]]:
+    out = {}
+    for s, mod in stages.items():
+        out[s] = {n: p.grad.detach().numpy().copy() for n, p in mod.named_parameters() if p.grad is not None}
+    return out
+
+
+def _maybe_fault(case: Case, rank: int, ex: PipelineExecutor) -> None:
+    """Make ``case.fault['rank']`` kill or stop itself just before its step ``case.fault['at']``."""
+    if not case.fault or case.fault["rank"] != rank:
+        return
+    import signal
+
+    at, sig = case.fault["at"], getattr(signal, "SIG" + case.fault["signal"])
+    original = ex.handlers[ex.steps[at].kind] if not hasattr(ex.steps[at], "actions") else None
+    target = ex.steps[at]
+
+    def die(executor, action):
+        if action is target or action == target:
+            os.kill(os.getpid(), sig)
+        return original(executor, action)
+
+    if original is None:
+        raise ValueError("fault injection needs a compute step")
+    ex.handlers[target.kind] = die
+
+
+def pipeline_rank(rank: int, world_size: int, case: Case) -> dict:
+    torch.set_num_threads(1)
+    sched = case.schedule()
+    lowered = lower(sched)
+    model = Model(case, sched.num_stages)
+    stages = {s: model.stage(s) for s in sched.stages_of(rank)}
+    p2p = PipelineP2P(pp_rank=rank, boundary_specs=model.specs, timeout_s=case.timeout_s, check=case.check)
+    tracer = Tracer(rank) if case.trace else None
+    if tracer is not None:
+        tracer.align()
+    ex = PipelineExecutor(
+        lowered,
+        rank,
+        stages,
+        p2p=p2p,
+        input_fn=model.input_fn,
+        loss_fn=model.loss_fn,
+        forward_fn=model.forward_fn,
+        tracer=tracer,
+    )
+    p2p.tracer = tracer
+    _maybe_fault(case, rank, ex)
+    losses = []
+    for it in range(case.iterations):
+        losses.append([float(x) for x in ex.run(it)])
+    dist.barrier()
+    return {
+        "losses": losses,
+        "loss_bits": [np.array([x.item() for x in ex.losses], dtype=np.float32)] if ex.losses and ex.losses[0] is not None else [],
+        "grads": _grads(stages),
+        "trace": tracer.chrome_events() if tracer is not None else None,
+    }
+
+
+# ------------------------------------------------------------------------------------------------- reference
+def reference(case: Case, num_stages: int) -> tuple[list[float], dict[int, dict[str, np.ndarray]]]:
+    """The same stages run in sequence in one process, microbatch by microbatch, plain autograd."""
+    torch.set_num_threads(1)
+    model = Model(case, num_stages)
+    stages = {s: model.stage(s) for s in range(num_stages)}
+    losses = []
+    for _ in range(case.iterations):
+        for mb in range(case.m):
+            x = model.input_fn(mb)
+            for s in range(num_stages):
+                x = model.forward_fn(stages[s], x, s, mb)
+            loss, report = model.loss_fn(x, mb)
+            loss.backward()
+            losses.append(float(report))
+    return losses, _grads(stages)
+
+
+def lowered_for(case: Case) -> LoweredSchedule:
+    return lower(case.schedule())

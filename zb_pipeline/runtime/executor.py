@@ -1,0 +1,341 @@
+"""The pipeline executor: runs one rank's lowered action list, one iteration at a time.
+
+    executor = PipelineExecutor(lowered, rank, {stage: module, ...}, p2p=p2p, store=store,
+                                input_fn=lambda mb: tokens[mb], loss_fn=lambda out, mb: criterion(out, mb))
+    losses = executor.run()          # per-microbatch losses on the rank that holds the last stage
+
+Dispatch is by ``Kind`` through ``executor.handlers`` (a plain dict a user may extend or override, e.g. with an
+overlapped F-and-B kind).  A compute handler is ``fn(executor, action) -> None``; a communication handler is called
+for every op of a ``CommBatch`` when the batch is posted and returns the tensor a send moves (``None`` for
+receives, whose buffers the P2P layer allocates from the boundary specs and which are consumed by ``take``).
+
+What the built-in handlers do (stage ``s``, microbatch ``mb``, ``S`` stages):
+
+- **F**: the input is the loaded microbatch (``input_fn(mb)``) on stage 0, the output of stage ``s - 1`` handed over
+  locally when that stage lives on this rank (V placement), else the received activation (waited for here).  Run
+  the chunk (``forward_fn``, default ``module(x)``).  On the last stage ``loss_fn(output, mb)`` gives the loss.  Keep
+  only what backward needs: the input leaf and the output's autograd edge (the output tensor itself is dropped as
+  soon as it has been sent, so its memory goes with the send unless the graph saved it).
+- **B**: the output gradient is received, handed over locally, or (last stage) the loss's own.  Backward runs inside
+  ``store.defer(s, mb)``: deferrable layers compute the input gradient only and enqueue their weight-gradient work;
+  the input gradient is sent or handed over; the input is freed.  Stages without deferrable layers (or with
+  ``split="generic"``) go through ``GenericSplit``, which defers every parameter gradient through autograd.
+- **W**: ``store.run(s, mb)``: the deferred weight-gradient work, accumulated into ``param.main_grad`` (or ``.grad``).
+- **BW**: the full backward (weight gradients immediately).
+
+Gradient accumulation order: every stage's weight gradients are accumulated in the order of its W/BW actions, which
+for all built-in schedules is microbatch order -- so results match a sequential single-process run bit for bit.
+
+At the end of ``run`` the executor asserts that nothing is left: no saved activation, no local hand-off, no deferred
+weight-gradient work, no outstanding send or unconsumed receive.  Nothing on the hot path grows with the model
+(a dict lookup and a few attribute accesses per action) and nothing synchronises that the plan does not ask for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from zb_pipeline.runtime.generic_split import GenericSplit
+from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P
+from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
+from zb_pipeline.schedule.ir import Action, Kind
+from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
+
+Handler = Callable[["PipelineExecutor", Action], Any]
+InputFn = Callable[[int], torch.Tensor]
+LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+ForwardFn = Callable[[torch.nn.Module, torch.Tensor, int, int], torch.Tensor]
+
+SPLIT_MODES = ("auto", "deferrable", "generic")
+
+
+def _default_forward(module: torch.nn.Module, x: torch.Tensor, stage: int, microbatch: int) -> torch.Tensor:
+    return module(x)
+
+
+def _has_deferrable_layers(module: torch.nn.Module) -> bool:
+    return any(hasattr(sub, "weight_grad_store") for sub in module.modules())
+
+
+class PipelineExecutor:
+    """Executes rank ``rank``'s part of ``lowered`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        lowered: LoweredSchedule,
+        rank: int,
+        stages: Mapping[int, torch.nn.Module],
+        *,
+        p2p: PipelineP2P | None,
+        store: WeightGradStore | None = None,
+        input_fn: InputFn | None = None,
+        loss_fn: LossFn | None = None,
+        forward_fn: ForwardFn | None = None,
+        split: str = "auto",
+        tracer: Any = None,
+    ) -> None:
+        sched = lowered.schedule
+        if not 0 <= rank < sched.num_ranks:
+            raise ValueError(f"{rank=} is outside the plan's ranks 0..{sched.num_ranks - 1}")
+        mine = sched.stages_of(rank)
+        if set(stages) != set(mine):
+            raise ValueError(
+                f"rank {rank} holds virtual stages {list(mine)} in plan {sched.name!r}, but stage modules were given "
+                f"for {sorted(stages)}"
+            )
+        if split not in SPLIT_MODES:
+            raise ValueError(f"{split=} must be one of {SPLIT_MODES}")
+        if 0 in mine and input_fn is None:
+            raise ValueError(f"rank {rank} holds stage 0: give input_fn(microbatch) -> the stage's input")
+        if sched.num_stages - 1 in mine and loss_fn is None:
+            raise ValueError(f"rank {rank} holds the last stage: give loss_fn(output, microbatch) -> loss")
+        needs_p2p = any(isinstance(step, CommBatch) for step in lowered.ranks[rank])
+        if needs_p2p and p2p is None:
+            raise ValueError(f"rank {rank}'s plan communicates: give a PipelineP2P")
+        self.lowered, self.rank = lowered, rank
+        self.steps = lowered.ranks[rank]
+        self.num_stages, self.num_microbatches = sched.num_stages, sched.num_microbatches
+        self.owner = sched.stage_to_rank
+        self.stages = dict(stages)
+        self.p2p, self.tracer = p2p, tracer
+        self.store = store if store is not None else WeightGradStore()
+        self.input_fn, self.loss_fn = input_fn, loss_fn
+        self.forward_fn = forward_fn or _default_forward
+        # Per stage: None = deferrable layers + plain backward inside store.defer; else a GenericSplit.
+        self._split: dict[int, GenericSplit | None] = {}
+        for s, module in self.stages.items():
+            bind_weight_grad_store(module, self.store)
+            generic = split == "generic" or (split == "auto" and not _has_deferrable_layers(module))
+            self._split[s] = GenericSplit(module, self.store) if generic else None
+        self.handlers: dict[Kind, Handler] = dict(DEFAULT_HANDLERS)
+        # Iteration state, keyed by stage * m + microbatch.
+        self._saved: dict[int, tuple[torch.Tensor | None, Any]] = {}  # F -> B: (input leaf, output root)
+        self._local_act: dict[int, torch.Tensor] = {}  # input of stage s handed over from s - 1 on this rank
+        self._local_grad: dict[int, torch.Tensor] = {}  # output gradient of stage s from s + 1 on this rank
+        self._to_send: dict[tuple[Kind, int], torch.Tensor] = {}  # (SEND_F/SEND_B, key) -> tensor
+        self._pending_w: set[int] = set()
+        self.losses: list[torch.Tensor | None] = []
+        self.iteration = 0
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def run(self, iteration: int | None = None) -> list[torch.Tensor]:
+        """Execute one iteration; return the per-microbatch losses (empty unless this rank holds the last stage)."""
+        if iteration is not None:
+            self.iteration = iteration
+        m = self.num_microbatches
+        self.losses = [None] * m
+        handlers, tracer, p2p = self.handlers, self.tracer, self.p2p
+        if tracer is not None:
+            tracer.begin_iteration(self.iteration)
+        if p2p is not None and p2p.check:
+            p2p.expect(self.steps)
+        try:
+            for step in self.steps:
+                if type(step) is CommBatch:
+                    p2p.post(step, self._payload)
+                    continue
+                handler = handlers.get(step.kind)
+                if handler is None:
+                    raise KeyError(f"rank {self.rank}: no handler for action kind {step.kind.value} ({step})")
+                if tracer is None:
+                    handler(self, step)
+                else:
+                    t0 = time.perf_counter()
+                    handler(self, step)
+                    tracer.compute(step, t0, time.perf_counter())
+            if p2p is not None:
+                p2p.finish()
+            self._assert_clean()
+        except BaseException:
+            self.abandon()
+            raise
+        self.iteration += 1
+        if self.num_stages - 1 not in self.stages:
+            return []
+        return list(self.losses)
+
+    def _payload(self, a: Action) -> torch.Tensor | None:
+        handler = self.handlers.get(a.kind)
+        if handler is None:
+            raise KeyError(f"rank {self.rank}: no handler for communication kind {a.kind.value} ({a})")
+        return handler(self, a)
+
+    def _assert_clean(self) -> None:
+        problems = []
+        m = self.num_microbatches
+        for name, keys in (
+            ("saved activations (F without B)", self._saved),
+            ("local activations never consumed", self._local_act),
+            ("local gradients never consumed", self._local_grad),
+            ("W actions missing", self._pending_w),
+        ):
+            if keys:
+                problems.append(f"{name}: " + ", ".join(f"stage {k // m} mb {k % m}" for k in sorted(keys)))
+        if self._to_send:
+            problems.append("outputs never sent: " + ", ".join(f"{k.value} {i // m}/{i % m}" for k, i in self._to_send))
+        if problems:
+            raise RuntimeError(f"rank {self.rank}: end of iteration with work left over -- " + "; ".join(problems))
+        self.store.assert_empty()
+
+    def abandon(self) -> None:
+        """Drop every piece of iteration state (after an error)."""
+        self._saved.clear()
+        self._local_act.clear()
+        self._local_grad.clear()
+        self._to_send.clear()
+        self._pending_w.clear()
+        self.store.clear()
+        if self.p2p is not None:
+            self.p2p.abandon()
+
+    # -- plumbing shared by the built-in and user handlers -----------------------------------------------------
+    def fetch_input(self, a: Action) -> torch.Tensor:
+        """The input of F ``a``: the microbatch on stage 0, a local hand-off, or the received activation."""
+        s, mb = a.stage, a.microbatch
+        if s == 0:
+            return self.input_fn(mb)
+        key = s * self.num_microbatches + mb
+        if self.owner[s - 1] == self.rank:
+            return self._local_act.pop(key)
+        return self.p2p.take(Kind.RECV_F, s, mb, a)
+
+    def deliver_output(self, a: Action, out: torch.Tensor) -> None:
+        """Hand F ``a``'s output to stage ``s + 1``: locally (as a fresh leaf) or queued for its SEND_F."""
+        s = a.stage
+        key = s * self.num_microbatches + a.microbatch
+        if self.owner[s + 1] == self.rank:
+            self._local_act[key + self.num_microbatches] = out.detach().requires_grad_(out.is_floating_point())
+        else:
+            self._to_send[(Kind.SEND_F, key)] = out
+
+    def fetch_output_grad(self, a: Action) -> torch.Tensor | None:
+        """The gradient of B ``a``'s output: None on the last stage (the loss), local, or received."""
+        s, mb = a.stage, a.microbatch
+        if s == self.num_stages - 1:
+            return None
+        if self.owner[s + 1] == self.rank:
+            return self._local_grad.pop(s * self.num_microbatches + mb)
+        return self.p2p.take(Kind.RECV_B, s, mb, a)
+
+    def deliver_input_grad(self, a: Action, grad: torch.Tensor) -> None:
+        """Hand B ``a``'s input gradient to stage ``s - 1``: locally or queued for its SEND_B."""
+        s = a.stage
+        key = s * self.num_microbatches + a.microbatch
+        if self.owner[s - 1] == self.rank:
+            self._local_grad[key - self.num_microbatches] = grad
+        else:
+            self._to_send[(Kind.SEND_B, key)] = grad
+
+    def save_for_backward(self, a: Action, inp: torch.Tensor | None, root: Any) -> None:
+        self._saved[a.stage * self.num_microbatches + a.microbatch] = (inp, root)
+
+    def pop_saved(self, a: Action) -> tuple[torch.Tensor | None, Any]:
+        key = a.stage * self.num_microbatches + a.microbatch
+        try:
+            return self._saved.pop(key)
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank}: {a} has no saved forward state (its F did not run here)") from None
+
+    def defer_w(self, a: Action) -> None:
+        self._pending_w.add(a.stage * self.num_microbatches + a.microbatch)
+
+    def complete_w(self, a: Action) -> None:
+        key = a.stage * self.num_microbatches + a.microbatch
+        if key not in self._pending_w:
+            raise RuntimeError(f"rank {self.rank}: {a} runs before its B")
+        self._pending_w.discard(key)
+
+    def take_payload(self, a: Action) -> torch.Tensor:
+        """The tensor SEND ``a`` moves (removed from the executor: the P2P layer holds it until sent)."""
+        key = a.stage * self.num_microbatches + a.microbatch
+        try:
+            return self._to_send.pop((a.kind, key))
+        except KeyError:
+            raise PipelineCommError(
+                f"rank {self.rank}: {a} is posted before its data exists (the producing action has not run)"
+            ) from None
+
+
+# ------------------------------------------------------------------------------------------ built-in handlers
+def _forward(ex: PipelineExecutor, a: Action) -> None:
+    s, mb = a.stage, a.microbatch
+    x = ex.fetch_input(a)
+    if s > 0 and not x.requires_grad and x.is_floating_point():
+        x.requires_grad_()
+    out = ex.forward_fn(ex.stages[s], x, s, mb)
+    if s == ex.num_stages - 1:
+        got = ex.loss_fn(out, mb)
+        loss, report = got if isinstance(got, tuple) else (got, got)
+        ex.losses[mb] = report.detach()
+        ex.save_for_backward(a, x if s > 0 else None, loss)
+        return
+    if not out.requires_grad:
+        raise RuntimeError(f"rank {ex.rank}: {a}: the output of stage {s} does not require grad (no parameters?)")
+    ex.deliver_output(a, out)
+    # Generic splits need the output tensor; otherwise its autograd edge is enough and the tensor can go once sent.
+    root = out if ex._split[s] is not None else get_gradient_edge(out)
+    ex.save_for_backward(a, x if s > 0 else None, root)
+
+
+def _backward(ex: PipelineExecutor, a: Action, defer: bool) -> None:
+    s, mb = a.stage, a.microbatch
+    x, root = ex.pop_saved(a)
+    grad = ex.fetch_output_grad(a)
+    split = ex._split[s]
+    if split is not None and defer:
+        if isinstance(root, torch.Tensor) and grad is None and root.dim() == 0:
+            grad = torch.ones_like(root)
+        with ex.store.defer(s, mb):
+            got = split.backward_input([root], [grad], [x] if x is not None else [])
+        gx = got[0] if x is not None else None
+    else:
+        if defer:
+            with ex.store.defer(s, mb):
+                torch.autograd.backward([root], None if grad is None else [grad])
+        else:
+            torch.autograd.backward([root], None if grad is None else [grad])
+        gx = x.grad if x is not None else None
+    if defer:
+        ex.defer_w(a)
+    if s > 0:
+        if gx is None:
+            raise RuntimeError(f"rank {ex.rank}: {a}: stage {s}'s output does not depend on its input")
+        ex.deliver_input_grad(a, gx)
+
+
+def _b(ex: PipelineExecutor, a: Action) -> None:
+    _backward(ex, a, defer=True)
+
+
+def _bw(ex: PipelineExecutor, a: Action) -> None:
+    _backward(ex, a, defer=False)
+
+
+def _w(ex: PipelineExecutor, a: Action) -> None:
+    ex.complete_w(a)
+    ex.store.run(a.stage, a.microbatch)
+
+
+def _send(ex: PipelineExecutor, a: Action) -> torch.Tensor:
+    return ex.take_payload(a)
+
+
+def _recv(ex: PipelineExecutor, a: Action) -> None:
+    return None
+
+
+DEFAULT_HANDLERS: dict[Kind, Handler] = {
+    Kind.F: _forward,
+    Kind.B: _b,
+    Kind.W: _w,
+    Kind.BW: _bw,
+    Kind.SEND_F: _send,
+    Kind.SEND_B: _send,
+    Kind.RECV_F: _recv,
+    Kind.RECV_B: _recv,
+}

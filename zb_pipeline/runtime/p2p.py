@@ -1,0 +1,323 @@
+"""Point-to-point communication of one pipeline rank: one ``CommBatch`` of the lowered plan at a time.
+
+The lowered plan (``zb_pipeline.schedule.lowering``) fixes every transfer, its peer, its batch and its position; this
+layer never re-derives any of it.  ``post(batch)`` issues the batch's sends and receives together (one
+``batch_isend_irecv`` on NCCL, so the group is matched as a unit; plain ``isend``/``irecv`` in plan order on gloo)
+and returns at once.  A receive is waited for only when its data is consumed (``take``); a send is waited for when the
+next batch is posted finds it done, or at the end of the iteration (``finish``).  Waiting later than the strict model
+never breaks it: the order in which ops are *posted* is the plan's on every rank, and on NCCL that is the order the
+communication stream executes them in, so the stream runs exactly the strict model while the CPU runs ahead.
+
+Shapes come from the caller: ``boundary_specs[s]`` is the tensor handed from virtual stage ``s`` to ``s + 1`` (the
+activation one way, its gradient the other), so no shape handshake is ever needed.
+
+Every wait has a timeout and every failure (timeout, a dead peer's closed socket) raises ``PipelineCommError``
+naming this rank, the peer rank and the action that waited.
+
+Checking mode (``check=True``; for gloo tests)
+---------------------------------------------
+Gloo buffers sends, so a plan that only works with buffering -- and deadlocks on NCCL -- would pass on gloo.  In
+checking mode this layer makes gloo behave like the strict model and verifies the per-pair order:
+
+- each posted op must be the next one the plan lists for its (peer, direction); anything else raises
+  ``CommOrderError`` at once (a handler that posts off-plan);
+- every posted receive sends the sender a small acknowledgement (tag 1) naming the transfer it expects; a send is
+  complete only once its acknowledgement has arrived and names the same transfer (the k-th send to a peer meets
+  the peer's k-th receive, exactly as untagged NCCL pairs them);
+- ``post`` blocks until the whole batch is complete, as the strict model's rank does.  A batch that cannot complete
+  within the timeout would deadlock on NCCL: ``CommOrderError`` names the ops that were never matched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zb_pipeline.schedule.ir import Action, Kind
+from zb_pipeline.schedule.lowering import CommBatch, LoweredStep
+
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_DATA_TAG, _ACK_TAG = 0, 1
+
+
+class PipelineCommError(RuntimeError):
+    """A pipeline transfer failed or timed out; the message names the rank, the peer and the waiting action."""
+
+
+class CommOrderError(PipelineCommError):
+    """Checking mode: the posting order differs from the plan's strict per-pair order (would deadlock on NCCL)."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one hand-off tensor (per microbatch)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+def transfer_identity(action: Action) -> tuple[int, int, int]:
+    """(direction 0 forward / 1 backward, producing stage, microbatch): the same for a send and its receive."""
+    kind, s, mb = action.kind, action.stage, action.microbatch
+    if kind is _SEND_F:
+        return (0, s, mb)
+    if kind is _RECV_F:
+        return (0, s - 1, mb)
+    if kind is _SEND_B:
+        return (1, s, mb)
+    if kind is _RECV_B:
+        return (1, s + 1, mb)
+    raise ValueError(f"{action} is not a SEND_F/RECV_F/SEND_B/RECV_B action")
+
+
+def _describe_identity(ident: tuple[int, int, int]) -> str:
+    d, s, mb = ident
+    return f"{s}{'F' if d == 0 else 'B'}{mb}'s {'output' if d == 0 else 'input gradient'}"
+
+
+class PipelineP2P:
+    """The P2P layer of one pipeline rank (see the module docstring).
+
+    ``pp_rank``: this rank's index in the pipeline (the plan's rank numbers); ``pp_ranks[i]``: the global rank of
+    pipeline rank ``i`` (default: the members of ``group``, or ``range(world)``); ``boundary_specs[s]``: the tensor
+    between stage ``s`` and ``s + 1``.  ``timeout_s`` bounds every wait.
+    """
+
+    def __init__(
+        self,
+        *,
+        pp_rank: int,
+        boundary_specs: Sequence[TensorSpec],
+        group: dist.ProcessGroup | None = None,
+        pp_ranks: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 600.0,
+        check: bool = False,
+        tracer: object | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"{timeout_s=} must be > 0")
+        self.pp_rank = pp_rank
+        self.group = group
+        if pp_ranks is None:
+            pp_ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        self.pp_ranks = tuple(pp_ranks)
+        self.specs = tuple(boundary_specs)
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self._timeout = timedelta(seconds=timeout_s)
+        self.check = check
+        self.tracer = tracer
+        backend = dist.get_backend(group)
+        self._batched = backend not in ("gloo",)  # NCCL (and others) need grouped posting to match as a unit
+        self._recvs: dict[tuple[Kind, int, int], tuple[object, torch.Tensor, Action]] = {}
+        self._sends: list[tuple[object, torch.Tensor, Action]] = []
+        self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
+        self._expected: dict[tuple[int, bool], deque[Action]] | None = None
+
+    # -- plan order (checking mode) -------------------------------------------------------------------------
+    def expect(self, steps: Sequence[LoweredStep]) -> None:
+        """Checking mode: load this rank's per-(peer, direction) op order for the coming iteration."""
+        expected: dict[tuple[int, bool], deque[Action]] = {}
+        for step in steps:
+            if isinstance(step, CommBatch):
+                for a in step.actions:
+                    is_send = a.kind is _SEND_F or a.kind is _SEND_B
+                    expected.setdefault((a.peer, is_send), deque()).append(a)
+        self._expected = expected
+
+    def _check_planned(self, a: Action, is_send: bool) -> None:
+        if self._expected is None:
+            return
+        queue = self._expected.get((a.peer, is_send))
+        want = queue[0] if queue else None
+        if want != a:
+            what = "send to" if is_send else "receive from"
+            raise CommOrderError(
+                f"rank {self.pp_rank}: posted {a}, but the plan's next {what} rank {a.peer} is {want or 'nothing'}; "
+                "the runtime must post transfers in the plan's order (this would deadlock or mix data on NCCL)"
+            )
+        queue.popleft()
+
+    # -- posting ----------------------------------------------------------------------------------------------
+    def spec_of(self, a: Action) -> TensorSpec:
+        """The shape/dtype of the tensor ``a`` moves."""
+        kind = a.kind
+        forward_out = kind is _SEND_F or kind is _RECV_B  # the boundary after a.stage, else the one before it
+        return self.specs[a.stage if forward_out else a.stage - 1]
+
+    def post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
+        """Post every op of ``batch``; ``payload(send_action)`` gives the tensor a send moves."""
+        self._reap_sends()
+        ops: list[tuple[bool, torch.Tensor, int, Action]] = []
+        new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []
+        check = self.check
+        acks_in: list[tuple[object, torch.Tensor, Action]] = []
+        for a in batch.actions:
+            kind = a.kind
+            is_send = kind is _SEND_F or kind is _SEND_B
+            if check:
+                self._check_planned(a, is_send)
+            peer = self.pp_ranks[a.peer]
+            if is_send:
+                t = payload(a)
+                spec = self.spec_of(a)
+                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    raise PipelineCommError(
+                        f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
+                        f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
+                    )
+                t = t.detach()
+                if not t.is_contiguous():
+                    t = t.contiguous()
+                ops.append((True, t, peer, a))
+                if check:
+                    ack = torch.empty(3, dtype=torch.int64)
+                    acks_in.append((dist.irecv(ack, peer, group=self.group, tag=_ACK_TAG), ack, a))
+            else:
+                spec = self.spec_of(a)
+                buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                ops.append((False, buf, peer, a))
+                if check:
+                    ident = torch.tensor(transfer_identity(a), dtype=torch.int64)
+                    self._acks.append((dist.isend(ident, peer, group=self.group, tag=_ACK_TAG), ident, a))
+        if self._batched:
+            p2p_ops = [
+                dist.P2POp(dist.isend if s else dist.irecv, t, peer, group=self.group, tag=_DATA_TAG)
+                for s, t, peer, _ in ops
+            ]
+            works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+        else:
+            works = [
+                (dist.isend if s else dist.irecv)(t, peer, group=self.group, tag=_DATA_TAG) for s, t, peer, _ in ops
+            ]
+        for (is_send, t, _, a), work in zip(ops, works):
+            if is_send:
+                self._sends.append((work, t, a))
+            else:
+                new_recvs.append(((a.kind, a.stage, a.microbatch), work, t, a))
+        for key, work, t, a in new_recvs:
+            self._recvs[key] = (work, t, a)
+        if self.tracer is not None:
+            self.tracer.comm_posted(batch)
+        if check:
+            self._complete_strictly(batch, acks_in, [r[0] for r in new_recvs])
+
+    def _complete_strictly(
+        self, batch: CommBatch, acks_in: list[tuple[object, torch.Tensor, Action]], recv_keys: list
+    ) -> None:
+        """Checking mode: block until every send of ``batch`` is matched and every receive has arrived."""
+        deadline = time.monotonic() + self.timeout_s
+        for work, ack, a in acks_in:
+            if not self._wait_until(work, deadline):
+                raise CommOrderError(
+                    f"rank {self.pp_rank}: batch {batch} could not complete within {self.timeout_s:g} s: rank "
+                    f"{a.peer} never posted the receive matching {a} -- the plan relies on buffering and deadlocks "
+                    "on NCCL (or that rank is stuck)"
+                )
+            got = tuple(int(v) for v in ack)
+            want = transfer_identity(a)
+            if got != want:
+                raise CommOrderError(
+                    f"rank {self.pp_rank}: {a} is matched (by order) with rank {a.peer}'s receive of "
+                    f"{_describe_identity(got)}, not {_describe_identity(want)}: the two ranks post their transfers "
+                    "in different orders (deadlock or mixed-up data on NCCL)"
+                )
+        for key in recv_keys:
+            work, _, a = self._recvs[key]
+            if not self._wait_until(work, deadline):
+                raise CommOrderError(
+                    f"rank {self.pp_rank}: batch {batch} could not complete within {self.timeout_s:g} s: {a} was "
+                    f"never sent by rank {a.peer} -- the plan deadlocks under the strict model (or that rank is stuck)"
+                )
+
+    def _wait_until(self, work, deadline: float) -> bool:
+        """Wait for ``work`` up to ``deadline``; False on timeout, ``PipelineCommError`` if the transfer failed."""
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timedelta(seconds=left))
+        except RuntimeError as err:
+            if "imed out" in str(err) or "imeout" in str(err):
+                return False
+            raise PipelineCommError(f"rank {self.pp_rank}: transfer failed: {_first_line(err)}") from err
+        return True
+
+    # -- consuming --------------------------------------------------------------------------------------------
+    def take(self, kind: Kind, stage: int, microbatch: int, waiter: Action) -> torch.Tensor:
+        """Wait for the receive ``(kind, stage, microbatch)`` and return its buffer; ``waiter`` is the consumer."""
+        entry = self._recvs.pop((kind, stage, microbatch), None)
+        if entry is None:
+            raise PipelineCommError(
+                f"rank {self.pp_rank}: {waiter} needs {stage}{kind.value}{microbatch}, but the plan posted no such "
+                "receive before it"
+            )
+        work, buf, a = entry
+        tracer = self.tracer
+        t0 = time.perf_counter() if tracer is not None else 0.0
+        try:
+            work.wait(self._timeout)
+        except RuntimeError as err:
+            raise PipelineCommError(
+                f"rank {self.pp_rank}: {waiter} waited for {a} from rank {a.peer} (global rank "
+                f"{self.pp_ranks[a.peer]}) and failed after at most {self.timeout_s:g} s: {_first_line(err)}"
+            ) from err
+        if tracer is not None:
+            tracer.waited(a, waiter, t0, time.perf_counter())
+        return buf
+
+    def _reap_sends(self) -> None:
+        """Drop (free) the tensors of sends that have completed."""
+        sends = self._sends
+        if sends and sends[0][0].is_completed():
+            self._sends = [s for s in sends if not s[0].is_completed()]
+
+    def finish(self) -> None:
+        """End of iteration: wait for every outstanding send (and ack); raise if a receive was never consumed."""
+        deadline = time.monotonic() + self.timeout_s
+        for work, _, a in self._sends:
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as err:
+                raise PipelineCommError(
+                    f"rank {self.pp_rank}: end of iteration waited for {a} to rank {a.peer} (global rank "
+                    f"{self.pp_ranks[a.peer]}) and failed: {_first_line(err)}"
+                ) from err
+        for work, _, a in self._acks:
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as err:
+                raise PipelineCommError(
+                    f"rank {self.pp_rank}: end of iteration: the acknowledgement of {a} to rank {a.peer} failed: "
+                    f"{_first_line(err)}"
+                ) from err
+        self._sends, self._acks = [], []
+        if self._recvs:
+            left = ", ".join(str(e[2]) for e in self._recvs.values())
+            raise PipelineCommError(f"rank {self.pp_rank}: receives posted but never consumed: {left}")
+        if self._expected is not None and any(self._expected.values()):
+            left = ", ".join(str(a) for q in self._expected.values() for a in q)
+            raise CommOrderError(f"rank {self.pp_rank}: planned transfers never posted: {left}")
+
+    def pending(self) -> list[Action]:
+        """Ops posted but not yet consumed or known complete."""
+        return [e[2] for e in self._recvs.values()] + [s[2] for s in self._sends if not s[0].is_completed()]
+
+    def abandon(self) -> None:
+        """Forget all outstanding ops (after an error)."""
+        self._recvs.clear()
+        self._sends.clear()
+        self._acks.clear()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,185 @@
+"""What every rank actually executed, as a Chrome / Perfetto trace (``chrome://tracing``, ui.perfetto.dev).
+
+Each rank's executor records into its own ``Tracer``:
+
+- compute actions (F, B, W, BW) on thread 0 ("compute"), from the moment their inputs were available to their end;
+- communication ops on thread 1 ("comm"), one event per SEND/RECV action at the moment its batch was posted;
+- waits for a receive on thread 0, category ``wait``, named after the receive and the action that waited.
+
+Every event carries ``args`` with the action string, kind, stage, microbatch and iteration, so the measurement tools
+can recover the executed plan (``executed_actions``) and compare it with the planned timeline.
+
+Clocks: timestamps are ``time.perf_counter()`` (CLOCK_MONOTONIC on Linux, shared by all processes of a host) minus
+the moment ``align()`` returned; ``align`` ends with a barrier on the given group, so ranks on different hosts line
+up to within one barrier latency.  ``gather_trace`` collects every rank's events on one rank and writes one JSON file
+with one process per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from zb_pipeline.schedule.ir import Action
+from zb_pipeline.schedule.lowering import CommBatch
+
+COMPUTE_TID, COMM_TID = 0, 1
+
+
+class Tracer:
+    """Collects one rank's events (see the module docstring)."""
+
+    def __init__(self, rank: int, *, label: str | None = None) -> None:
+        self.rank = rank
+        self.label = label or f"pipeline rank {rank}"
+        self.iteration = 0
+        self.events: list[dict[str, Any]] = []
+        self._t0 = time.perf_counter()
+        self._last_wait_end = 0.0
+
+    def align(self, group: dist.ProcessGroup | None = None) -> None:
+        """Reset the clock's zero to the end of a barrier on ``group`` (no barrier without torch.distributed)."""
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier(group=group)
+        self._t0 = time.perf_counter()
+
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def _us(self, t: float) -> float:
+        return round((t - self._t0) * 1e6, 3)
+
+    def compute(self, action: Action, t_start: float, t_end: float) -> None:
+        """A compute action that started (was called) at ``t_start``; it began working once its last wait ended."""
+        begin = max(t_start, self._last_wait_end)
+        self.events.append(
+            {
+                "name": str(action),
+                "cat": action.kind.value,
+                "ph": "X",
+                "pid": self.rank,
+                "tid": COMPUTE_TID,
+                "ts": self._us(begin),
+                "dur": round((t_end - begin) * 1e6, 3),
+                "args": self._args(action),
+            }
+        )
+
+    def comm_posted(self, batch: CommBatch) -> None:
+        now = self._us(time.perf_counter())
+        for a in batch.actions:
+            self.events.append(
+                {
+                    "name": str(a),
+                    "cat": a.kind.value,
+                    "ph": "X",
+                    "pid": self.rank,
+                    "tid": COMM_TID,
+                    "ts": now,
+                    "dur": 0.0,
+                    "args": {**self._args(a), "peer": a.peer},
+                }
+            )
+
+    def waited(self, recv: Action, waiter: Action, t_start: float, t_end: float) -> None:
+        self._last_wait_end = t_end
+        self.events.append(
+            {
+                "name": f"wait {recv}",
+                "cat": "wait",
+                "ph": "X",
+                "pid": self.rank,
+                "tid": COMPUTE_TID,
+                "ts": self._us(t_start),
+                "dur": round((t_end - t_start) * 1e6, 3),
+                "args": {**self._args(recv), "peer": recv.peer, "waiter": str(waiter)},
+            }
+        )
+
+    def mark(self, name: str, t_start: float, t_end: float, **args: Any) -> None:
+        """Any other span on the compute thread (e.g. the optimizer step)."""
+        self.events.append(
+            {
+                "name": name,
+                "cat": "other",
+                "ph": "X",
+                "pid": self.rank,
+                "tid": COMPUTE_TID,
+                "ts": self._us(t_start),
+                "dur": round((t_end - t_start) * 1e6, 3),
+                "args": {"iteration": self.iteration, **args},
+            }
+        )
+
+    def _args(self, a: Action) -> dict[str, Any]:
+        return {
+            "action": str(a),
+            "kind": a.kind.value,
+            "stage": a.stage,
+            "microbatch": a.microbatch,
+            "iteration": self.iteration,
+        }
+
+    def metadata(self) -> list[dict[str, Any]]:
+        return [
+            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": self.label}},
+            {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": COMPUTE_TID, "args": {"name": "compute"}},
+            {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": COMM_TID, "args": {"name": "comm"}},
+        ]
+
+    def chrome_events(self) -> list[dict[str, Any]]:
+        return self.metadata() + self.events
+
+
+def merge_traces(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]:
+    """One Chrome trace document from every rank's ``chrome_events()``."""
+    events: list[dict[str, Any]] = []
+    for evs in per_rank:
+        events.extend(evs)
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def gather_trace(
+    tracer: Tracer, path: str | os.PathLike[str] | None, *, group: dist.ProcessGroup | None = None, dst: int = 0
+) -> dict[str, Any] | None:
+    """Collect every rank's events of ``group`` on global rank ``dst``, which writes ``path`` (if given).
+
+    Returns the merged document on ``dst`` and ``None`` elsewhere.  Without torch.distributed, just this rank's.
+    """
+    mine = tracer.chrome_events()
+    if dist.is_available() and dist.is_initialized():
+        size = dist.get_world_size(group)
+        gathered: list[Any] = [None] * size
+        dist.all_gather_object(gathered, mine, group=group)
+        if dist.get_rank() != dst:
+            return None
+    else:
+        gathered = [mine]
+    doc = merge_traces(gathered)
+    if path is not None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+    return doc
+
+
+def executed_actions(doc: dict[str, Any], rank: int, *, iteration: int | None = None) -> list[str]:
+    """The action strings (compute and communication, no waits) rank ``rank`` executed, in execution order."""
+    out = []
+    for ev in doc["traceEvents"]:
+        if ev.get("ph") != "X" or ev.get("pid") != rank or ev.get("cat") in ("wait", "other"):
+            continue
+        if iteration is not None and ev["args"].get("iteration") != iteration:
+            continue
+        out.append(ev["args"]["action"])
+    return out  # a rank's events are appended in execution order (a compute event once the action has ended)
+
+
+def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

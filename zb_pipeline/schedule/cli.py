@@ -1,0 +1,377 @@
+"""``zb-schedule``: generate, look at, simulate, compare and validate pipeline schedules.
+
+    zb-schedule list
+    zb-schedule show NAME -p 4 -m 8 [--chunks 2] [--png out.png | --svg out.svg] [cost flags]
+    zb-schedule simulate NAME -p 4 -m 8 [--chunks V] --cost-f F --cost-b B --cost-w W --cost-comm C
+                         [--mem-f X --mem-b Y --mem-w Z] [--mem-limit L] [--json] [--export plan.json]
+    zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
+    zb-schedule validate plan.json [cost flags] [--mem-limit L]
+
+Cost and memory flags take one number (a rank's whole share of layers), a comma-separated list with one number
+per rank, or one per virtual stage (see ``StageCosts.build``).  Bad input prints one line on stderr and exits
+with status 2; a plan that fails ``validate`` prints its grid (failing step marked) and exits with status 2 too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
+from zb_pipeline.schedule.lowering import LoweredSchedule
+from zb_pipeline.schedule.pictures import ComparisonRow, ansi_timeline, plot_comparison, plot_timeline
+from zb_pipeline.schedule.plan_file import load_plan, save_plan
+from zb_pipeline.schedule.simulate import SimResult, simulate
+from zb_pipeline.schedule.validate import ScheduleError, render_grid, validate
+
+PROG = "zb-schedule"
+_GRID_MAX_ACTIONS = 4000  # print a failing plan's grid only up to this size (it is one line per rank)
+
+
+class UsageError(Exception):
+    """Bad command-line input: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# ------------------------------------------------------------------------------------------- number parsing
+
+
+def _spec(flag: str, text: str, *, positive: bool) -> float | list[float]:
+    """``"2"`` -> 2.0, ``"1,2,3"`` -> [1.0, 2.0, 3.0]; every value finite (and > 0 for costs)."""
+    values = []
+    for part in text.split(","):
+        try:
+            v = float(part)
+        except ValueError:
+            raise UsageError(
+                f"{flag} {text!r}: {part.strip()!r} is not a number (give one number or a comma-separated list)"
+            ) from None
+        if not math.isfinite(v):
+            raise UsageError(f"{flag} {text!r}: values must be finite")
+        if positive and v <= 0:
+            raise UsageError(f"{flag} {text!r}: costs must be > 0, got {v:g}")
+        values.append(v)
+    return values[0] if len(values) == 1 else values
+
+
+def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True) -> None:
+    if shape:
+        sp.add_argument("-p", "--ranks", type=int, required=True, help="pipeline ranks p")
+        sp.add_argument("-m", "--microbatches", type=int, required=True, help="microbatches per iteration m")
+        sp.add_argument("--chunks", type=int, default=None, help="virtual stages per rank (default: the schedule's)")
+    g = sp.add_argument_group("costs (one number per rank's share, a list per rank, or a list per virtual stage)")
+    g.add_argument("--cost-f", default="1", metavar="F", help="forward time T_F (default 1)")
+    g.add_argument("--cost-b", default="1", metavar="B", help="input-gradient backward time T_B (default 1)")
+    g.add_argument("--cost-w", default="1", metavar="W", help="weight-gradient time T_W (default 1)")
+    g.add_argument("--cost-comm", default="0", metavar="C", help="time added to every cross-rank hand-off (default 0)")
+    g.add_argument("--mem-f", default="1", metavar="X", help="activation memory added by F (default 1)")
+    g.add_argument("--mem-b", default=None, metavar="Y", help="memory added by B (default 0)")
+    g.add_argument("--mem-w", default=None, metavar="Z", help="memory added by W (default -(mem_f + mem_b))")
+    g.add_argument("--mem-limit", type=float, default=None, metavar="L", help="per-rank memory limit (mem units)")
+
+
+def _build_costs(args: argparse.Namespace, p: int, chunks: int, placement: Sequence[int]) -> StageCosts:
+    comm = _spec("--cost-comm", args.cost_comm, positive=False)
+    if isinstance(comm, list):
+        raise UsageError(f"--cost-comm takes one number, got {args.cost_comm!r}")
+    if comm < 0:
+        raise UsageError(f"--cost-comm {comm:g} must be >= 0")
+    return StageCosts.build(
+        num_ranks=p,
+        chunks=chunks,
+        stage_to_rank=placement,
+        f=_spec("--cost-f", args.cost_f, positive=True),
+        b=_spec("--cost-b", args.cost_b, positive=True),
+        w=_spec("--cost-w", args.cost_w, positive=True),
+        comm=comm,
+        mem_f=_spec("--mem-f", args.mem_f, positive=False),
+        mem_b=None if args.mem_b is None else _spec("--mem-b", args.mem_b, positive=False),
+        mem_w=None if args.mem_w is None else _spec("--mem-w", args.mem_w, positive=False),
+    )
+
+
+def _check_shape(args: argparse.Namespace) -> None:
+    if args.ranks < 1:
+        raise UsageError(f"-p/--ranks {args.ranks} must be >= 1")
+    if args.microbatches < 1:
+        raise UsageError(f"-m/--microbatches {args.microbatches} must be >= 1")
+    if args.chunks is not None and args.chunks < 1:
+        raise UsageError(f"--chunks {args.chunks} must be >= 1")
+    if args.mem_limit is not None and not math.isfinite(args.mem_limit):
+        raise UsageError(f"--mem-limit {args.mem_limit} must be finite")
+
+
+# ----------------------------------------------------------------------------------------------- the work
+
+
+def placement_for(name: str, p: int, chunks: int) -> tuple[int, ...]:
+    """The stage-to-rank map a registered schedule uses (V-shaped ones zig-zag)."""
+    return v_placement(p, chunks) if registry.get(name).placement == "v" else loop_placement(p, chunks)
+
+
+def _plan(name: str, args: argparse.Namespace) -> tuple[Schedule, StageCosts, LoweredSchedule]:
+    """Generate, validate and lower schedule ``name`` for the shape and costs on the command line."""
+    spec = registry.get(name)
+    p, m = args.ranks, args.microbatches
+    chunks = spec.default_chunks if args.chunks is None else args.chunks
+    if spec.chunks is not None and chunks not in spec.chunks:
+        raise UsageError(f"schedule {name!r} supports --chunks in {list(spec.chunks)}, got {chunks}")
+    costs = _build_costs(args, p, chunks, placement_for(name, p, chunks))
+    sched = registry.generate(name, p, m, chunks=chunks, costs=costs, mem_limit=args.mem_limit)
+    lowered = validate(sched, costs=costs, mem_limit=args.mem_limit)
+    return sched, costs, lowered
+
+
+def p2p_messages(lowered: LoweredSchedule) -> int:
+    """Point-to-point messages per iteration: the sends of the lowered plan."""
+    sends = (Kind.SEND_F, Kind.SEND_B)
+    return sum(a.kind in sends for r in range(len(lowered.ranks)) for a in lowered.comm_actions(r))
+
+
+def _use_color(mode: str) -> bool:
+    if mode == "always":
+        return True
+    if mode == "never":
+        return False
+    import os
+
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def _summary_dict(result: SimResult, costs: StageCosts, lowered: LoweredSchedule) -> dict[str, Any]:
+    s = result.schedule
+    return {
+        "schedule": s.name,
+        "num_ranks": s.num_ranks,
+        "num_stages": s.num_stages,
+        "num_microbatches": s.num_microbatches,
+        "chunks": s.chunks,
+        "placement": s.placement,
+        "makespan": result.makespan,
+        "bubble_rate": result.bubble_rate,
+        "peak_memory": list(result.peak_memory),
+        "rank_span": list(result.rank_span),
+        "rank_compute": list(result.rank_compute),
+        "p2p_messages": p2p_messages(lowered),
+        "cost_comm": costs.comm,
+    }
+
+
+def _fmt_list(values: Sequence[float], limit: int = 8) -> str:
+    if len(values) <= limit:
+        return ",".join(f"{v:g}" for v in values)
+    return f"max {max(values):g} (rank {list(values).index(max(values))})"
+
+
+def _print_summary(result: SimResult, lowered: LoweredSchedule) -> None:
+    s = result.schedule
+    print(
+        f"{s.name}: p={s.num_ranks} m={s.num_microbatches} chunks={s.chunks} ({s.placement})  "
+        f"makespan {result.makespan:g}  bubble rate {result.bubble_rate:.2%}  P2P messages {p2p_messages(lowered)}"
+    )
+    print(f"{'rank':>5} {'span':>10} {'compute':>10} {'idle':>8} {'peak mem':>9}")
+    for r in range(s.num_ranks):
+        span, busy = result.rank_span[r], result.rank_compute[r]
+        idle = 1 - busy / span if span > 0 else 0.0
+        print(f"{r:>5} {span:>10g} {busy:>10g} {idle:>8.1%} {result.peak_memory[r]:>9g}")
+
+
+def _write_picture(result: SimResult, args: argparse.Namespace) -> bool:
+    wrote = False
+    for path in (args.png, args.svg):
+        if path:
+            plot_timeline(result, path)
+            print(f"wrote {path}")
+            wrote = True
+    return wrote
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for name in registry.available():
+        spec = registry.get(name)
+        chunks = "any" if spec.chunks is None else ",".join(map(str, spec.chunks))
+        print(f"{name:<18} chunks={chunks:<6} placement={spec.placement:<5} {spec.description}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    _check_shape(args)
+    sched, costs, lowered = _plan(args.name, args)
+    result = simulate(sched, costs)
+    if not _write_picture(result, args):
+        if args.grid:
+            print(render_grid(sched, color=_use_color(args.color)))
+        else:
+            width = max(60, shutil.get_terminal_size((160, 24)).columns)
+            print(ansi_timeline(result, color=_use_color(args.color), max_width=width))
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    _check_shape(args)
+    sched, costs, lowered = _plan(args.name, args)
+    result = simulate(sched, costs)
+    if args.export:
+        save_plan(sched, args.export)
+    if args.json:
+        print(json.dumps(_summary_dict(result, costs, lowered)))
+    else:
+        _print_summary(result, lowered)
+        if args.export:
+            print(f"wrote {args.export}")
+    if args.png or args.svg:
+        for path in (args.png, args.svg):
+            if path:
+                plot_timeline(result, path)
+                if not args.json:
+                    print(f"wrote {path}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    _check_shape(args)
+    rows: list[ComparisonRow] = []
+    skipped: list[tuple[str, str]] = []
+    for name in registry.available():
+        spec = registry.get(name)
+        chunks_arg = args.chunks
+        if chunks_arg is not None and spec.chunks is not None and chunks_arg not in spec.chunks:
+            chunks_arg = None  # this schedule has a fixed chunk count: use its own
+        sub = argparse.Namespace(**{**vars(args), "chunks": chunks_arg})
+        try:
+            sched, costs, lowered = _plan(name, sub)
+            result = simulate(sched, costs)
+        except (ValueError, UsageError) as e:
+            skipped.append((name, str(e).splitlines()[0] if str(e) else type(e).__name__))
+            continue
+        rows.append(
+            ComparisonRow(
+                name, sched.chunks, result.bubble_rate, result.makespan, result.peak_memory, p2p_messages(lowered)
+            )
+        )
+    title = f"p={args.ranks} m={args.microbatches}"
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "num_ranks": args.ranks,
+                    "num_microbatches": args.microbatches,
+                    "schedules": [
+                        {
+                            "schedule": r.name,
+                            "chunks": r.chunks,
+                            "bubble_rate": r.bubble_rate,
+                            "makespan": r.makespan,
+                            "peak_memory": list(r.peak_memory),
+                            "p2p_messages": r.p2p_messages,
+                        }
+                        for r in rows
+                    ],
+                    "skipped": [{"schedule": n, "reason": why} for n, why in skipped],
+                }
+            )
+        )
+    else:
+        name_w = max([len(r.name) for r in rows] + [len(n) for n, _ in skipped] + [8])
+        print(f"compare: {title}  (peak memory per rank in units of --mem-f)")
+        print(f"{'schedule':<{name_w}} {'chunks':>6} {'bubble':>8} {'makespan':>10} {'P2P msgs':>9}  peak memory")
+        for r in rows:
+            print(
+                f"{r.name:<{name_w}} {r.chunks:>6} {r.bubble_rate:>8.2%} {r.makespan:>10g} {r.p2p_messages:>9}  "
+                f"{_fmt_list(r.peak_memory)}"
+            )
+        for n, why in skipped:
+            print(f"{n:<{name_w}} {'-':>6} cannot serve this shape: {why}")
+    if args.png:
+        plot_comparison(rows, args.png, title=f"schedules at {title}", skipped=[n for n, _ in skipped])
+        if not args.json:
+            print(f"wrote {args.png}")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    sched = load_plan(args.plan)
+    costs = _build_costs(args, sched.num_ranks, sched.chunks, sched.stage_to_rank)
+    try:
+        lowered = validate(sched, costs=costs, mem_limit=args.mem_limit)
+    except ScheduleError as e:
+        if e.grid and sum(len(r) for r in sched.ranks) <= _GRID_MAX_ACTIONS:
+            print(e.grid)
+        raise
+    result = simulate(sched, costs)
+    print(
+        f"{args.plan}: valid plan {sched.name!r}: p={sched.num_ranks} S={sched.num_stages} m={sched.num_microbatches} "
+        f"({sched.placement}); makespan {result.makespan:g}, bubble rate {result.bubble_rate:.2%}, "
+        f"peak memory {_fmt_list(result.peak_memory)}, P2P messages {p2p_messages(lowered)}"
+    )
+    if args.png or args.svg:
+        _write_picture(result, args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Generate, inspect, simulate, compare and validate pipeline schedules.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    sp = sub.add_parser("list", help="the registered schedules")
+    sp.set_defaults(fn=cmd_list)
+
+    sp = sub.add_parser("show", help="draw a schedule's timeline (terminal, PNG or SVG)")
+    sp.add_argument("name", help="schedule name (see 'zb-schedule list')")
+    _add_shape_args(sp)
+    sp.add_argument("--png", help="write the timeline as PNG")
+    sp.add_argument("--svg", help="write the timeline as SVG")
+    sp.add_argument("--grid", action="store_true", help="print the rank x position action grid instead")
+    sp.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    sp.set_defaults(fn=cmd_show)
+
+    sp = sub.add_parser("simulate", help="simulate a schedule under given costs")
+    sp.add_argument("name", help="schedule name (see 'zb-schedule list')")
+    _add_shape_args(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.add_argument("--export", metavar="PLAN_JSON", help="write the plan file")
+    sp.add_argument("--png", help="also write the timeline as PNG")
+    sp.add_argument("--svg", help="also write the timeline as SVG")
+    sp.set_defaults(fn=cmd_simulate)
+
+    sp = sub.add_parser("compare", help="every registered schedule side by side")
+    _add_shape_args(sp)
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+    sp.add_argument("--png", help="write a comparison bar chart")
+    sp.set_defaults(fn=cmd_compare)
+
+    sp = sub.add_parser("validate", help="check a plan file (structure, dependencies, strict P2P order, memory)")
+    sp.add_argument("plan", help="plan file (JSON)")
+    _add_shape_args(sp, shape=False)
+    sp.add_argument("--png", help="write the simulated timeline as PNG")
+    sp.add_argument("--svg", help="write the simulated timeline as SVG")
+    sp.set_defaults(fn=cmd_validate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``zb-schedule`` and ``python -m zb_pipeline.schedule``; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.fn(args)
+    except (UsageError, ValueError, OSError) as e:
+        text = str(e).strip().splitlines()
+        msg = text[0] if text else type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
