@@ -185,3 +185,22 @@ def run_p2p(lowered: LoweredSchedule, *, buffered: bool) -> list[int]:
                 else:
                     break
     return [r for r, steps in enumerate(lowered.ranks) if ptr[r] < len(steps)]
+
+
+def data_ready(lowered: LoweredSchedule) -> bool:
+    """Every send comes after the action that produces its data, every receive before the one that consumes it."""
+    for steps in lowered.ranks:
+        pos = {}
+        for j, st in enumerate(steps):
+            if not isinstance(st, CommBatch):
+                key = "F" if st.kind is Kind.F else ("G" if st.kind in (Kind.B, Kind.BW) else "W")
+                pos[(key, st.stage, st.microbatch)] = j
+        for j, st in enumerate(steps):
+            if isinstance(st, CommBatch):
+                for a in st.actions:
+                    key = ("F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "G", a.stage, a.microbatch)
+                    if a.kind in (Kind.SEND_F, Kind.SEND_B) and not pos[key] < j:
+                        return False
+                    if a.kind in (Kind.RECV_F, Kind.RECV_B) and not pos[key] > j:
+                        return False
+    return True

@@ -10,6 +10,7 @@ import random
 
 import pytest
 from schedule_test_plans import (
+    data_ready,
     expected_transfers,
     list_schedule,
     one_f_one_b,
@@ -253,3 +254,52 @@ def test_lowering_an_invalid_plan_raises() -> None:
     bad = Schedule("bad", 2, 2, 2, (0, 1), [sched.ranks[0], tuple(reversed(sched.ranks[1]))])
     with pytest.raises(ValueError, match="never finishes"):
         lower(bad)
+
+
+def _mutate(lowered: LoweredSchedule, rng: random.Random) -> LoweredSchedule:
+    """Move one comm op of a random rank to another place (a new batch or another batch), keeping compute order."""
+    rows = [list(r) for r in lowered.ranks]
+    r = rng.choice([r for r in range(len(rows)) if any(isinstance(st, CommBatch) for st in rows[r])])
+    row = rows[r]
+    j = rng.choice([j for j, st in enumerate(row) if isinstance(st, CommBatch)])
+    ops = list(row[j].actions)
+    op = ops.pop(rng.randrange(len(ops)))
+    if ops:
+        row[j] = CommBatch(tuple(ops))
+    else:
+        del row[j]
+    batches = [k for k, st in enumerate(row) if isinstance(st, CommBatch)]
+    if batches and rng.random() < 0.5:  # join another batch, at a random slot
+        k = rng.choice(batches)
+        joined = list(row[k].actions)
+        joined.insert(rng.randrange(len(joined) + 1), op)
+        row[k] = CommBatch(tuple(joined))
+    else:  # a batch of its own anywhere
+        row.insert(rng.randrange(len(row) + 1), CommBatch((op,)))
+    return LoweredSchedule(lowered.schedule, tuple(tuple(x) for x in rows))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_validate_lowered_agrees_with_the_reference_on_mutated_plans(seed: int) -> None:
+    """Differential test: after random moves of comm ops, validate_lowered accepts exactly the plans that the
+    naive reference accepts (data ready in time, pairs in the same order, strict run finishes)."""
+    rng = random.Random(seed)
+    p, chunks, m = rng.randint(2, 4), rng.randint(1, 2), rng.randint(2, 5)
+    place = (loop_placement, v_placement)[seed % 2](p, chunks)
+    lowered = lower(list_schedule(p, m, place, seed=seed))
+    verdicts = {True: 0, False: 0}
+    for _ in range(60):
+        plan = lowered
+        for _ in range(rng.randint(1, 3)):
+            plan = _mutate(plan, rng)
+        sends, recvs = pair_lists(plan)
+        expected_ok = data_ready(plan) and sends == recvs and run_p2p(plan, buffered=False) == []
+        try:
+            validate_lowered(plan)
+            ok = True
+        except ScheduleError as err:
+            ok = False
+            assert "\n" not in str(err)
+        assert ok == expected_ok, str(plan)
+        verdicts[ok] += 1
+    assert verdicts[False] > 0  # the mutations do break plans (and, usually, some survive)

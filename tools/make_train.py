@@ -26,13 +26,24 @@ MODEL_FLAGS = [
 ]  # fmt: skip
 
 
-def data_flags() -> list[str]:
-    """The data the demo trains on.
+def data_flags(mock: bool) -> tuple[list[str], str]:
+    """The data the demo trains on, and a one-line description of it.
 
-    HOOK for the default corpus: once ``tools/prepare_default_corpus.py`` (the data issue) prepares a tokenized
-    corpus, call it here and return ``["--data-path", PREFIX, "--tokenizer-type", ..., ...]`` instead.
+    By default the corpus made from the Python standard library's sources (tools/prepare_default_corpus.py: built on
+    the first run, about a minute, then reused from ``data/``); ``--mock-data`` for the synthetic Markov-chain data.
     """
-    return ["--mock-data", "--vocab-size", "1024"]
+    if mock:
+        return ["--mock-data", "--vocab-size", "1024"], "mock data"
+    sys.path.insert(0, str(ROOT / "tools"))
+    import prepare_default_corpus
+
+    info = prepare_default_corpus.prepare(str(ROOT / "data"))
+    flags = [
+        "--data-path", info["data_prefix"], "--split", info["split"],
+        "--tokenizer-type", info["tokenizer_type"], "--vocab-file", info["vocab_file"],
+        "--merge-file", info["merge_file"],
+    ]  # fmt: skip
+    return flags, f"default corpus ({info['documents']} stdlib files, {info['tokens']} tokens)"
 
 
 def train_flags(iters: int) -> list[str]:
@@ -51,15 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=150, help="training iterations (default 150)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4 = tp 2 x dp 2)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="kill the run after this many seconds")
+    parser.add_argument("--mock-data", action="store_true", help="train on synthetic data instead of the corpus")
     parser.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     args = parser.parse_args(argv)
 
+    data, data_desc = data_flags(args.mock_data)
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-        str(ROOT / "pretrain_gpt.py"), *MODEL_FLAGS, *data_flags(), *train_flags(args.iters), *args.extra,
+        str(ROOT / "pretrain_gpt.py"), *MODEL_FLAGS, *data, *train_flags(args.iters), *args.extra,
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    print(f"[make train] {args.nproc} CPU ranks (tensor parallel 2 x data parallel {args.nproc // 2}), mock data")
+    print(f"[make train] {args.nproc} CPU ranks (tensor parallel 2 x data parallel {args.nproc // 2}), {data_desc}")
     print("[make train] " + " ".join(cmd[1:]), flush=True)
     start = time.time()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)

@@ -119,7 +119,7 @@ class PipelineP2P:
         self.tracer = tracer
         backend = dist.get_backend(group)
         self._batched = backend not in ("gloo",)  # NCCL (and others) need grouped posting to match as a unit
-        self._recvs: dict[tuple[Kind, int, int], tuple[object, torch.Tensor, Action]] = {}
+        self._recvs: dict[tuple[Kind, int, int], tuple[object | None, torch.Tensor, Action]] = {}
         self._sends: list[tuple[object, torch.Tensor, Action]] = []
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
         self._expected: dict[tuple[int, bool], deque[Action]] | None = None
@@ -233,12 +233,13 @@ class PipelineP2P:
                     "in different orders (deadlock or mixed-up data on NCCL)"
                 )
         for key in recv_keys:
-            work, _, a = self._recvs[key]
+            work, buf, a = self._recvs[key]
             if not self._wait_until(work, deadline):
                 raise CommOrderError(
                     f"rank {self.pp_rank}: batch {batch} could not complete within {self.timeout_s:g} s: {a} was "
                     f"never sent by rank {a.peer} -- the plan deadlocks under the strict model (or that rank is stuck)"
                 )
+            self._recvs[key] = (None, buf, a)  # done: gloo counts waits, so a work must not be waited twice
 
     def _wait_until(self, work, deadline: float) -> bool:
         """Wait for ``work`` up to ``deadline``; False on timeout, ``PipelineCommError`` if the transfer failed."""
@@ -261,6 +262,8 @@ class PipelineP2P:
                 "receive before it"
             )
         work, buf, a = entry
+        if work is None:  # already completed (checking mode waits inside post)
+            return buf
         tracer = self.tracer
         t0 = time.perf_counter() if tracer is not None else 0.0
         try:
