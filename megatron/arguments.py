@@ -28,6 +28,7 @@ from megatron.config.lr_schedule import LR_DECAY_STYLES, LRScheduleConfig
 from megatron.config.model_sizes import available_sizes, load_model_config
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.parallel import ParallelConfig
+from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
 
 # Flip to True when the pipeline runtime (issue 7) drives pp > 1 in training.py.
@@ -59,8 +60,8 @@ KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--timing-log-level": (True, "no per-region timers"),
     "--log-timers-to-tensorboard": (False, "no per-region timers"),
     "--log-params-norm": (False, "not implemented"),
-    "--no-load-rng": (False, "checkpoints are not available yet"),
-    "--no-load-optim": (False, "checkpoints are not available yet"),
+    "--ckpt-format": (True, "checkpoints are always per-rank torch files with a verified manifest"),
+    "--use-dist-ckpt": (False, "checkpoints are always per-rank torch files with a verified manifest"),
 }
 
 
@@ -243,6 +244,33 @@ def build_parser() -> tuple[_OneLineParser, _FlagTable]:
     t.add(g, "--save", default=None, help="directory to save checkpoints to")
     t.add(g, "--load", default=None, help="directory to load a checkpoint from")
     t.add(g, "--save-interval", type=pi, default=None, help="iterations between checkpoints")
+    t.add(g, "--no-load-optim", switch=True, help="do not restore optimizer, loss scaler and LR schedule")
+    t.add(g, "--no-load-rng", switch=True, help="do not restore the RNG states")
+    t.add(g, "--finetune", switch=True, help="load model weights only and start at iteration 0")
+    t.add(g, "--exit-signal-handler", switch=True, help="on SIGTERM save at the end of the iteration and exit")
+
+    g = parser.add_argument_group("mixed precision")
+    t.add(g, "--bf16", switch=True, help="bfloat16 model with fp32 main parameters and gradients")
+    t.add(g, "--fp16", switch=True, help="float16 model with fp32 main parameters/gradients and loss scaling")
+    t.add(g, "--loss-scale", type=fl, default=None, help="fixed fp16 loss scale (default: dynamic)")
+    t.add(g, "--initial-loss-scale", type=fl, default=2.0**32, help="first dynamic loss scale")
+    t.add(g, "--min-loss-scale", type=fl, default=1.0, help="smallest dynamic loss scale")
+    t.add(g, "--loss-scale-window", type=pi, default=1000, help="clean iterations before the scale doubles")
+    t.add(g, "--hysteresis", type=pi, default=2, help="overflowing iterations before the scale halves")
+    t.add(
+        g,
+        "--check-for-nan-in-loss-and-grad",
+        switch=True,
+        help="stop the run on a NaN/inf loss or (bf16/fp32) gradient instead of skipping the step",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="skip (count) NaN/inf iterations instead of stopping (the default)",
+    )
+    t.add(g, "--use-distributed-optimizer", switch=True, help="shard main params and Adam states over dp (ZeRO-1)")
 
     g = parser.add_argument_group("logging")
     t.add(g, "--log-interval", type=pi, default=100, help="iterations between log lines")
@@ -297,6 +325,7 @@ class RunConfig:
     parallel: ParallelConfig
     training: TrainingConfig
     optimizer: OptimizerConfig
+    precision: PrecisionConfig
     lr_schedule: LRScheduleConfig
     data: DataConfig
     checkpoint: CheckpointConfig
@@ -486,6 +515,17 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         adam_beta2=v["adam_beta2"],
         adam_eps=v["adam_eps"],
         clip_grad=v["clip_grad"],
+        use_distributed_optimizer=v["use_distributed_optimizer"],
+    )
+    precision = PrecisionConfig(
+        bf16=v["bf16"],
+        fp16=v["fp16"],
+        loss_scale=v["loss_scale"],
+        initial_loss_scale=v["initial_loss_scale"],
+        min_loss_scale=v["min_loss_scale"],
+        loss_scale_window=v["loss_scale_window"],
+        hysteresis=v["hysteresis"],
+        check_for_nan_in_loss_and_grad=v["check_for_nan_in_loss_and_grad"],
     )
     data = DataConfig(
         data_path=tuple(v["data_path"] or ()),
@@ -499,7 +539,15 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         vocab_size=model.vocab_size or None,
         num_workers=v["num_workers"],
     )
-    checkpoint = CheckpointConfig(save=v["save"], load=v["load"], save_interval=v["save_interval"])
+    checkpoint = CheckpointConfig(
+        save=v["save"],
+        load=v["load"],
+        save_interval=v["save_interval"],
+        no_load_optim=v["no_load_optim"],
+        no_load_rng=v["no_load_rng"],
+        finetune=v["finetune"],
+        exit_signal_handler=v["exit_signal_handler"],
+    )
     logging = LoggingConfig(
         log_interval=v["log_interval"],
         tensorboard_dir=v["tensorboard_dir"],
@@ -516,6 +564,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         parallel=parallel,
         training=training,
         optimizer=optimizer,
+        precision=precision,
         lr_schedule=lr_schedule,
         data=data,
         checkpoint=checkpoint,

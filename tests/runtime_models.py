@@ -18,7 +18,7 @@ from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.trace import Tracer
 from zb_pipeline.schedule.ir import Schedule
-from zb_pipeline.schedule.lowering import LoweredSchedule, lower
+from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule, lower
 from zb_pipeline.schedule.plan_file import load_plan
 from zb_pipeline.schedule.registry import generate
 
@@ -40,6 +40,7 @@ class Case:
     trace: bool = False
     timeout_s: float = 30.0
     fault: dict = field(default_factory=dict)  # {"rank": r, "signal": "KILL"|"STOP", "at": step index}
+    mutate: str | None = None  # name of a hand-made change to the lowered plan (see MUTATIONS)
 
     def schedule(self) -> Schedule:
         if self.plan_file is not None:
@@ -148,8 +149,8 @@ def _maybe_fault(case: Case, rank: int, ex: PipelineExecutor) -> None:
 
 def pipeline_rank(rank: int, world_size: int, case: Case) -> dict:
     torch.set_num_threads(1)
-    sched = case.schedule()
-    lowered = lower(sched)
+    lowered = lowered_for(case)
+    sched = lowered.schedule
     model = Model(case, sched.num_stages)
     stages = {s: model.stage(s) for s in sched.stages_of(rank)}
     p2p = PipelineP2P(pp_rank=rank, boundary_specs=model.specs, timeout_s=case.timeout_s, check=case.check)
@@ -174,7 +175,6 @@ def pipeline_rank(rank: int, world_size: int, case: Case) -> dict:
     dist.barrier()
     return {
         "losses": losses,
-        "loss_bits": [np.array([x.item() for x in ex.losses], dtype=np.float32)] if ex.losses and ex.losses[0] is not None else [],
         "grads": _grads(stages),
         "trace": tracer.chrome_events() if tracer is not None else None,
     }
@@ -194,9 +194,54 @@ def reference(case: Case, num_stages: int) -> tuple[list[float], dict[int, dict[
                 x = model.forward_fn(stages[s], x, s, mb)
             loss, report = model.loss_fn(x, mb)
             loss.backward()
-            losses.append(float(report))
+            losses.append(float(report.detach()))
     return losses, _grads(stages)
 
 
+def pipeline_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    """Several cases one after the other in the same processes (saves the start-up of a process group per case)."""
+    return [pipeline_rank(rank, world_size, c) for c in cases]
+
+
+# ------------------------------------------------------------------------------------------ hand-made plans
+def _move_step(steps: list, what: str, after: str) -> list:
+    """Move the step printed ``what`` to just after the step printed ``after``."""
+    names = [str(st) for st in steps]
+    step = steps.pop(names.index(what))
+    names.remove(what)
+    steps.insert(names.index(after) + 1, step)
+    return steps
+
+
+def _needs_buffering(lowered: LoweredSchedule) -> LoweredSchedule:
+    """zb-h1, p=2, m=3 with rank 1 receiving 1F1's input only after sending 1B0's gradient.
+
+    Rank 0 sends 0F1's output before it receives 1B0's gradient, rank 1 sends that gradient before it receives
+    0F1's output: with buffering (gloo) both sends complete, under NCCL's strict matching both ranks block forever.
+    """
+    ranks = list(lowered.ranks)
+    ranks[1] = tuple(_move_step(list(ranks[1]), "{1RECV_F1@0}", "{1SEND_B0@0}"))
+    return LoweredSchedule(lowered.schedule, tuple(ranks))
+
+
+def _swapped_order(lowered: LoweredSchedule) -> LoweredSchedule:
+    """gpipe, p=2, m=3 with rank 1 posting its receives of microbatches 0 and 1 in one batch, in reverse order,
+    while rank 0 sends them in order: untagged matching would hand 0F1's output to 1F0."""
+    ranks = [list(r) for r in lowered.ranks]
+    r0 = [st for st in ranks[0] if str(st) not in ("{0SEND_F0@1}", "{0SEND_F1@1}")]
+    both0 = CommBatch(tuple(a for st in ranks[0] if isinstance(st, CommBatch) for a in st.actions if a.microbatch < 2
+                            and a.kind.value == "SEND_F"))
+    r0.insert([str(st) for st in r0].index("0F1") + 1, both0)
+    r1 = [st for st in ranks[1] if str(st) not in ("{1RECV_F0@0}", "{1RECV_F1@0}")]
+    recvs = [a for st in ranks[1] if isinstance(st, CommBatch) for a in st.actions if a.microbatch < 2
+             and a.kind.value == "RECV_F"]
+    r1.insert(0, CommBatch(tuple(reversed(recvs))))
+    return LoweredSchedule(lowered.schedule, (tuple(r0), tuple(r1)))
+
+
+MUTATIONS = {"needs_buffering": _needs_buffering, "swapped_order": _swapped_order}
+
+
 def lowered_for(case: Case) -> LoweredSchedule:
-    return lower(case.schedule())
+    lowered = lower(case.schedule())
+    return MUTATIONS[case.mutate](lowered) if case.mutate else lowered

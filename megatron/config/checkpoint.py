@@ -1,4 +1,4 @@
-"""Where and when the run saves and from where it resumes."""
+"""Where the run saves and from where it resumes, what it restores, and how it reacts to preemption."""
 
 from __future__ import annotations
 
@@ -9,11 +9,26 @@ from megatron.config.errors import require
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """Megatron's checkpoint flags.
+
+    ``no_load_optim``: restore the model only (optimizer, loss scaler and LR schedule start fresh);
+    ``no_load_rng``: keep this run's seeded RNG streams; ``finetune``: load the model weights only and start at
+    iteration 0 (implies both). ``exit_signal_handler``: on SIGTERM, save at the end of the current iteration, exit.
+    """
+
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    exit_signal_handler: bool = False
 
     def __post_init__(self) -> None:
         if self.save_interval is not None:
             require(self.save_interval >= 1, f"--save-interval={self.save_interval} must be >= 1")
             require(self.save is not None, "--save-interval needs --save DIR (where to write checkpoints)")
+        require(
+            not self.exit_signal_handler or self.save is not None,
+            "--exit-signal-handler needs --save DIR (where to write the checkpoint on SIGTERM)",
+        )

@@ -14,3 +14,8 @@ def require(condition: bool, message: str) -> None:
     """Raise ``ConfigError(message)`` unless ``condition`` holds."""
     if not condition:
         raise ConfigError(message)
+
+
+class RunAborted(RuntimeError):
+    """The run stopped for a reason outside its input (disk full during a save, NaN with
+    ``--check-for-nan-in-loss-and-grad``): the message is one line naming what happened and what to do."""

@@ -1,4 +1,4 @@
-"""AdamW hyper-parameters and gradient clipping."""
+"""AdamW hyper-parameters, gradient clipping and the distributed (ZeRO-1) optimizer switch."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ class OptimizerConfig:
     """Decoupled-weight-decay Adam (AdamW) in fp32; ``clip_grad=0`` disables global grad-norm clipping.
 
     Weight decay is not applied to biases and normalisation weights (any 1-D parameter), as in Megatron.
+    ``use_distributed_optimizer`` shards the fp32 main parameters and Adam states over the data-parallel ranks.
     """
 
     weight_decay: float = 0.01
@@ -19,6 +20,7 @@ class OptimizerConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         require(self.weight_decay >= 0, f"--weight-decay={self.weight_decay} must be >= 0")

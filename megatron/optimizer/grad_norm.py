@@ -54,6 +54,32 @@ def local_grad_stats(params: Iterable[torch.nn.Parameter], *, tp_rank: int = 0) 
     return torch.stack([sq, bad])
 
 
+def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``[sum of squares, number of non-finite entries]`` (float64) of the given gradient tensors (already chosen)."""
+    sq = torch.zeros((), dtype=torch.float64)
+    bad = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        g32 = g.detach().float().reshape(-1)
+        sq += torch.dot(g32, g32).double().cpu()
+        bad += (~torch.isfinite(g32)).sum().double().cpu()
+    return torch.stack([sq, bad])
+
+
+def stats_from_total(total: torch.Tensor) -> GradStats:
+    """``GradStats`` from a reduced ``[sum of squares, non-finite count]``."""
+    sq, bad = float(total[0]), float(total[1])
+    found_nonfinite = bad > 0 or not torch.isfinite(total[0]).item()
+    return GradStats(norm=float("nan") if found_nonfinite else sq**0.5, found_nonfinite=found_nonfinite)
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Megatron's clip factor ``max_norm / (norm + 1e-6)`` when that is below 1, else 1 (``max_norm = 0``: off)."""
+    if max_norm <= 0 or not torch.isfinite(torch.tensor(norm)).item():
+        return 1.0
+    coeff = max_norm / (norm + 1e-6)
+    return coeff if coeff < 1.0 else 1.0
+
+
 def reduce_grad_stats(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
     """THE synchronisation of gradient statistics: sum ``local`` over the model-parallel ``group`` (one collective).
 

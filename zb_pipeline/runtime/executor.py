@@ -113,6 +113,7 @@ class PipelineExecutor:
             generic = split == "generic" or (split == "auto" and not _has_deferrable_layers(module))
             self._split[s] = GenericSplit(module, self.store) if generic else None
         self.handlers: dict[Kind, Handler] = dict(DEFAULT_HANDLERS)
+        self.on_iteration_start: list[Callable[[PipelineExecutor], None]] = []  # hooks (e.g. emulated compute)
         # Iteration state, keyed by stage * m + microbatch.
         self._saved: dict[int, tuple[torch.Tensor | None, Any]] = {}  # F -> B: (input leaf, output root)
         self._local_act: dict[int, torch.Tensor] = {}  # input of stage s handed over from s - 1 on this rank
@@ -134,6 +135,8 @@ class PipelineExecutor:
             tracer.begin_iteration(self.iteration)
         if p2p is not None and p2p.check:
             p2p.expect(self.steps)
+        for hook in self.on_iteration_start:
+            hook(self)
         try:
             for step in self.steps:
                 if type(step) is CommBatch:

@@ -232,13 +232,17 @@ class PipelineP2P:
                     f"{_describe_identity(got)}, not {_describe_identity(want)}: the two ranks post their transfers "
                     "in different orders (deadlock or mixed-up data on NCCL)"
                 )
+        tracer = self.tracer
         for key in recv_keys:
             work, buf, a = self._recvs[key]
+            t0 = time.perf_counter()
             if not self._wait_until(work, deadline):
                 raise CommOrderError(
                     f"rank {self.pp_rank}: batch {batch} could not complete within {self.timeout_s:g} s: {a} was "
                     f"never sent by rank {a.peer} -- the plan deadlocks under the strict model (or that rank is stuck)"
                 )
+            if tracer is not None:
+                tracer.waited(a, batch, t0, time.perf_counter())
             self._recvs[key] = (None, buf, a)  # done: gloo counts waits, so a work must not be waited twice
 
     def _wait_until(self, work, deadline: float) -> bool:

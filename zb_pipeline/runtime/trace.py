@@ -86,7 +86,8 @@ class Tracer:
                 }
             )
 
-    def waited(self, recv: Action, waiter: Action, t_start: float, t_end: float) -> None:
+    def waited(self, recv: Action, waiter: Action | CommBatch, t_start: float, t_end: float) -> None:
+        """A wait for ``recv`` by the action that consumes it (or, in checking mode, by the batch that posted it)."""
         self._last_wait_end = t_end
         self.events.append(
             {

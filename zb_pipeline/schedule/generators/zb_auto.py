@@ -23,7 +23,10 @@ Each policy variant is one pass; the search runs a family of variants -- warm-up
 forwards that fit before the first gradient returns computed from the real per-stage costs, rounded both ways,
 and 1F1B's ``p - r``), W thresholds ``theta_w`` in {0, 1/2, 1, inf} and both ``f_fits`` settings -- and keeps the
 plan with the smallest makespan (ties: the earlier variant).  Then a local improvement pass tries to lower the
-warm-up budget of single ranks of the best variant and keeps any change that shortens the makespan.
+warm-up budget of single ranks of the best variant and keeps any change that shortens the makespan.  Passes stop
+early once their span exceeds the best so far, and the search ends at once when a plan reaches the busiest rank's
+own work (no plan can do better).  The effort is bounded (``SEARCH_BUDGET`` simulated actions): small shapes run
+the whole family, large ones the variants that were most often best on a measured grid, in that order.
 
 Memory limit
 ------------
@@ -55,6 +58,8 @@ except ImportError:  # pragma: no cover - depends on the build
 
 INF = math.inf
 _EPS = 1e-9
+# Search effort in simulated actions: about 0.2 s of C++ passes on the 2-core reference machine.
+SEARCH_BUDGET = 1.2e6
 # Action codes in the flat per-rank plans the passes produce: kind * m + microbatch.
 _F, _B, _W = 0, 1, 2
 _KINDS = (Kind.F, Kind.B, Kind.W)
@@ -344,7 +349,29 @@ def policies(p: int, m: int, costs: StageCosts) -> list[Policy]:
                                 f"f_fits={f_fits} guard={guard}"
                             )
                             out.append(Policy(wm, ahead, lag, theta_w, f_fits, guard, name))
+    # Most useful first (measured: how often a variant alone is best over a grid of shapes and cost ratios), so
+    # that the cut of later passes bites early.
+    rank = {label: i for i, label in enumerate(_FIRST)}
+    out.sort(key=lambda pol: rank.get(pol.label, len(rank)))
     return out
+
+
+_FIRST = (
+    "warm=fill- ahead=warm lag=none theta_w=1.0 f_fits=False guard=False",
+    "warm=1f1b ahead=warm lag=rank theta_w=0.0 f_fits=False guard=False",
+    "warm=fill- ahead=warm lag=rank theta_w=0.0 f_fits=False guard=False",
+    "warm=free ahead=0 lag=none theta_w=1.0 f_fits=False guard=False",
+    "warm=1f1b ahead=warm lag=none theta_w=0.5 f_fits=False guard=False",
+    "warm=fill- ahead=warm lag=none theta_w=0.5 f_fits=False guard=False",
+    "warm=fill+ ahead=warm lag=none theta_w=0.5 f_fits=False guard=False",
+    "warm=1f1b ahead=warm lag=none theta_w=1.0 f_fits=False guard=False",
+    "warm=free ahead=0 lag=none theta_w=0.0 f_fits=False guard=True",
+    "warm=fill- ahead=0 lag=rank theta_w=0.5 f_fits=True guard=False",
+    "warm=1f1b ahead=warm lag=rank theta_w=0.5 f_fits=True guard=False",
+    "warm=fill- ahead=0 lag=none theta_w=1.0 f_fits=False guard=False",
+    "warm=fill+ ahead=warm lag=rank theta_w=0.0 f_fits=False guard=False",
+    "warm=fill+ ahead=0 lag=rank theta_w=0.0 f_fits=False guard=False",
+)
 
 
 def _backend(name: str | None) -> str:
@@ -390,22 +417,36 @@ def search(
     *,
     backend: str | None = None,
     improve: bool = True,
+    budget: float = SEARCH_BUDGET,
 ) -> SearchResult:
-    """Run the variant family (and the local improvement), return the best plan found."""
+    """Run the variant family (and the local improvement), return the best plan found.
+
+    ``budget`` bounds the effort in simulated actions (passes x 3pm): small shapes get the whole family and the
+    improvement pass, large ones the most useful variants first (at least ``len(_FIRST)`` passes).
+    """
     if costs.num_stages != p:
         raise ValueError(f"zb-auto plans one chunk per rank: costs have {costs.num_stages} stages, expected p={p}")
     be = _backend(backend)
     st = StageArrays.of(costs, resolve_mem_limit(p, costs, mem_limit))
+    # No plan can beat the busiest rank's own work: reaching it ends the search.
+    floor = max(m * (st.f[r] + st.b[r] + st.w[r]) for r in range(p))
     best: tuple[float, Policy] | None = None
     passes = 0
+    max_passes = max(len(_FIRST), int(budget // (3 * p * m)))
     for pol in policies(p, m, costs):
-        _, span = _run(be, m, st, pol, want_plan=False)
+        if passes >= max_passes:
+            break
+        bound = INF if best is None else best[0]
+        _, span = _run(be, m, st, pol, want_plan=False, bound=bound)
         passes += 1
         if best is None or span < best[0] - _EPS * max(1.0, span):
             best = (span, pol)
+        if best[0] <= floor * (1 + 1e-12):
+            improve = False
+            break
     assert best is not None
-    if improve and p > 1:
-        best, extra = _improve_warm(be, m, st, best)
+    if improve and p > 1 and passes < max_passes:
+        best, extra = _improve_warm(be, m, st, best, max_passes - passes)
         passes += extra
     span, pol = best
     plans, span_again = _run(be, m, st, pol)
@@ -413,7 +454,9 @@ def search(
     return SearchResult(_to_schedule("zb-auto", p, m, plans), span, pol, passes, be)
 
 
-def _improve_warm(be: str, m: int, st: StageArrays, best: tuple[float, Policy]) -> tuple[tuple[float, Policy], int]:
+def _improve_warm(
+    be: str, m: int, st: StageArrays, best: tuple[float, Policy], max_passes: int
+) -> tuple[tuple[float, Policy], int]:
     """Greedy descent on the warm-up budget: lower one rank's budget by one while that shortens the makespan.
 
     Starts from the best variant's budget capped at what that plan actually used before its first B (a budget
@@ -434,11 +477,11 @@ def _improve_warm(be: str, m: int, st: StageArrays, best: tuple[float, Policy]) 
     warm = list(used)
     passes = 0
     for r in range(p - 1, -1, -1):
-        if warm[r] <= 1 or passes >= 2 * p:
+        if warm[r] <= 1 or passes >= min(2 * p, max_passes):
             continue
         warm[r] -= 1
         trial = replace(pol, warm=tuple(warm), label=pol.label + " +improve")
-        _, t_span = _run(be, m, st, trial, want_plan=False)
+        _, t_span = _run(be, m, st, trial, want_plan=False, bound=span)
         passes += 1
         if t_span < span - _EPS * max(1.0, span):
             span, pol = t_span, trial

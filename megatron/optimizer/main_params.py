@@ -1,0 +1,234 @@
+"""The optimizer the trainer uses: fp32 main parameters over (possibly half-precision) model parameters.
+
+One optimizer step::
+
+    main_grad /= loss_scale                              # fp16 only; exact (the scale is a power of two)
+    stats = reduce_grad_stats([sum g^2, #non-finite])    # THE one synchronisation (post-validation replaces it)
+    loss_scaler.update(stats.found_nonfinite)
+    if stats.found_nonfinite: skip the step
+    clip main grads by the global norm; AdamW on the fp32 main parameters
+    publish: copy main parameters into the model parameters (cast to bf16/fp16)
+
+``MainParamOptimizer`` holds every main parameter on every data-parallel rank; ``DistributedOptimizer``
+(``megatron.optimizer.distributed``) holds only this rank's shard of each gradient bucket and all-gathers the
+updated parameters. Both keep their state as ``MainShard`` pieces (a flat element range ``[lo, hi)`` of one
+parameter), so a checkpoint written by either loads into either, at any data-parallel size.
+
+With an fp32 model and no sharding the main parameter *is* the model parameter (no copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron.config.optimizer import OptimizerConfig
+from megatron.config.precision import PrecisionConfig
+from megatron.optimizer.adamw import AdamW, default_no_weight_decay
+from megatron.optimizer.grad_norm import (
+    GradStats,
+    clip_coefficient,
+    owns_grad,
+    reduce_grad_stats,
+    stats_from_total,
+    sum_squares_and_nonfinite,
+)
+from megatron.optimizer.loss_scaler import LossScaler, build_loss_scaler
+
+OPTIMIZER_STATE_KEYS = ("main", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(eq=False)
+class MainShard:
+    """Elements ``[lo, hi)`` of model parameter ``name`` (flattened) that this rank updates."""
+
+    name: str
+    param: torch.nn.Parameter
+    lo: int
+    hi: int
+    main: torch.Tensor  # fp32: the model parameter itself, or a copy (param-shaped, or flat when sharded)
+    grad: torch.Tensor  # the matching view of param.main_grad (fp32)
+    owned: bool  # counted in the global grad norm on this rank (see grad_norm.owns_grad)
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.param.numel()
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    stats: GradStats
+    skipped: bool
+    loss_scale: float  # the scale this iteration's gradients were computed with
+
+
+class MainParamOptimizer:
+    """fp32 AdamW over fp32 main parameters, loss scaling and global clipping (every dp rank holds everything)."""
+
+    sharded = False
+
+    def __init__(
+        self,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]],
+        config: OptimizerConfig,
+        precision: PrecisionConfig,
+        *,
+        tp_rank: int = 0,
+        stats_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.config, self.precision = config, precision
+        self.tp_rank = tp_rank
+        self.stats_group = stats_group
+        self.scaler: LossScaler = build_loss_scaler(precision)
+        params: list[tuple[str, torch.nn.Parameter]] = []
+        seen: set[int] = set()
+        for name, p in named_params:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                params.append((name, p))
+        self.model_params = params
+        self.shards: list[MainShard] = self._build_shards(params)
+        by_name = {s.name: s for s in self.shards}
+        self.adam = AdamW(
+            ((s.name, s.main) for s in self.shards),
+            config,
+            no_weight_decay=lambda name, _main: default_no_weight_decay(name, by_name[name].param),
+        )
+
+    # ------------------------------------------------------------------------------------------- layout
+    def _build_shards(self, params: list[tuple[str, torch.nn.Parameter]]) -> list[MainShard]:
+        shards = []
+        for name, p in params:
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is None:
+                raise ValueError(f"parameter {name} has no main_grad buffer; build the DataParallelReducer first")
+            main = p if p.dtype == torch.float32 else _fp32_copy(p.detach())
+            main.main_grad = main_grad
+            shards.append(MainShard(name, p, 0, p.numel(), main, main_grad, owns_grad(p, tp_rank=self.tp_rank)))
+        return shards
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The model parameters this optimizer updates."""
+        return [p for _, p in self.model_params]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    @property
+    def step_count(self) -> int:
+        return self.adam.step_count
+
+    # --------------------------------------------------------------------------------------------- step
+    def grad_stats(self) -> GradStats:
+        """Global norm and inf/NaN of the (unscaled) main gradients: one reduction over ``stats_group``."""
+        local = sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned)
+        return stats_from_total(reduce_grad_stats(local, group=self.stats_group))
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepOutcome:
+        """Unscale, check, clip, update and publish; returns the stats and whether the step was skipped."""
+        scale = self.scaler.scale
+        if scale != 1.0:
+            inv = 1.0 / scale
+            for s in self.shards:
+                s.grad.mul_(inv)
+        stats = self.grad_stats()
+        self.scaler.update(stats.found_nonfinite)
+        if stats.found_nonfinite:
+            return StepOutcome(stats=stats, skipped=True, loss_scale=scale)
+        coeff = clip_coefficient(stats.norm, self.config.clip_grad)
+        if coeff < 1.0:
+            for s in self.shards:
+                s.grad.mul_(coeff)
+        self.adam.step(lr)
+        self.publish()
+        return StepOutcome(stats=stats, skipped=False, loss_scale=scale)
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Copy the fp32 main parameters into the model parameters."""
+        for s in self.shards:
+            if s.main is not s.param:
+                s.param.copy_(s.main)
+
+    @torch.no_grad()
+    def reset_main_from_model(self) -> None:
+        """Main parameters := model parameters (after loading model weights without optimizer state)."""
+        for s in self.shards:
+            if s.main is not s.param:
+                s.main.copy_(s.param.detach().reshape(-1)[s.lo : s.hi].view_as(s.main))
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def sharded_state_dict(self) -> dict[str, object]:
+        """This rank's optimizer state as flat pieces per parameter name (tensors and plain data only)."""
+        pieces: dict[str, dict[str, object]] = {}
+        for s in self.shards:
+            st = self.adam.state.get(id(s.main))
+            flat_main = s.main.detach().reshape(-1)
+            if s.main is s.param:
+                flat_main = flat_main[s.lo : s.hi]
+            piece: dict[str, object] = {
+                "lo": s.lo,
+                "hi": s.hi,
+                "numel": s.param.numel(),
+                "shape": list(s.param.shape),
+                "main": flat_main.float().clone(),
+            }
+            for key in ("exp_avg", "exp_avg_sq"):
+                piece[key] = st[key].reshape(-1).clone() if st is not None else torch.zeros(s.hi - s.lo)
+            pieces[s.name] = piece
+        return {"step": self.adam.step_count, "pieces": pieces}
+
+    @torch.no_grad()
+    def load_sharded_state_dicts(self, states: list[dict[str, object]]) -> None:
+        """Load from the pieces of every file of this (tp, pp) position, whatever dp split wrote them."""
+        steps = {int(st["step"]) for st in states}  # type: ignore[arg-type]
+        if len(steps) != 1:
+            raise ValueError(f"optimizer shards disagree on the step count: {sorted(steps)}")
+        full = assemble_pieces([st["pieces"] for st in states])  # type: ignore[misc]
+        for s in self.shards:
+            if s.name not in full:
+                raise ValueError(f"optimizer state has no entry for parameter {s.name}")
+            entry = full[s.name]
+            if entry["main"].numel() != s.param.numel():
+                raise ValueError(
+                    f"optimizer state for {s.name} has {entry['main'].numel()} elements, the model {s.param.numel()}"
+                )
+            s.main.copy_(entry["main"][s.lo : s.hi].view_as(s.main))
+            self.adam.state[id(s.main)] = {
+                k: entry[k][s.lo : s.hi].clone().view_as(s.main).to(s.main.device) for k in ("exp_avg", "exp_avg_sq")
+            }
+        self.adam.step_count = steps.pop()
+        self.publish()
+
+
+def assemble_pieces(piece_dicts: list[dict[str, dict[str, object]]]) -> dict[str, dict[str, torch.Tensor]]:
+    """Full flat ``main``/``exp_avg``/``exp_avg_sq`` per parameter name from pieces ``[lo, hi)`` that tile it."""
+    by_name: dict[str, list[dict[str, object]]] = {}
+    for pieces in piece_dicts:
+        for name, piece in pieces.items():
+            by_name.setdefault(name, []).append(piece)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, parts in by_name.items():
+        parts.sort(key=lambda p: int(p["lo"]))  # type: ignore[arg-type]
+        numel = int(parts[0]["numel"])  # type: ignore[arg-type]
+        cursor = 0
+        for p in parts:
+            if int(p["lo"]) != cursor:  # type: ignore[arg-type]
+                raise ValueError(f"optimizer pieces of {name} do not tile [0, {numel}): gap or overlap at {cursor}")
+            cursor = int(p["hi"])  # type: ignore[arg-type]
+        if cursor != numel:
+            raise ValueError(f"optimizer pieces of {name} cover [0, {cursor}) of [0, {numel})")
+        entry = {k: torch.cat([p[k] for p in parts]) for k in OPTIMIZER_STATE_KEYS}  # type: ignore[misc]
+        entry["shape"] = list(parts[0]["shape"])  # type: ignore[assignment,arg-type]
+        out[name] = entry
+    return out
+
+
+def _fp32_copy(t: torch.Tensor) -> torch.nn.Parameter:
+    return torch.nn.Parameter(t.detach().float().clone(), requires_grad=True)

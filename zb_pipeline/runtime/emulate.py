@@ -1,0 +1,129 @@
+"""Emulated compute: every F, B and W sleeps its cost instead of computing, with real P2P between ranks.
+
+``--emulate-compute F,B,W[,OPT]`` gives milliseconds for a rank's *whole share* of layers for one microbatch, as
+the simulator reads costs; with several chunks per rank each chunk's action costs its ``1/chunks`` part.  OPT is the
+optimizer step per iteration (``optimizer_step``).  Many ranks fit on two cores because sleeping costs nothing.
+
+Each action sleeps until an absolute deadline: it starts at the end of the previous action's deadline, or when its
+input arrived if it had to wait for it, and ends ``cost`` later.  Oversleeping one action is therefore made up by
+the next instead of accumulating over the iteration, so the measured span tracks the simulator's makespan.
+
+The handlers plug into ``PipelineExecutor.handlers`` (``EmulatedCompute(costs, chunks).install(executor)``) and use
+the executor's own plumbing (``fetch_input``, ``deliver_output``, ...), so the plan, the P2P layer, the local
+hand-offs of V placement, the end-of-iteration checks and the trace all behave exactly as in a real run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from zb_pipeline.runtime.executor import PipelineExecutor
+from zb_pipeline.runtime.p2p import TensorSpec
+from zb_pipeline.schedule.ir import Action, Kind
+
+# A wait for input that returns within this many seconds did not block: the input was already there.
+_BLOCKED_S = 2e-4
+
+
+@dataclass(frozen=True)
+class EmulatedCosts:
+    """Milliseconds per microbatch for a rank's whole share: F, B, W; OPT once per iteration."""
+
+    f_ms: float
+    b_ms: float
+    w_ms: float
+    opt_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f_ms", "b_ms", "w_ms", "opt_ms"):
+            v = getattr(self, name)
+            if not v >= 0:
+                raise ValueError(f"--emulate-compute: {name[:-3].upper()}={v} must be >= 0 milliseconds")
+
+    @classmethod
+    def parse(cls, text: str) -> EmulatedCosts:
+        """``"20,20,10"`` or ``"20,20,10,5"`` (F,B,W[,OPT] in ms)."""
+        parts = [p.strip() for p in str(text).split(",")]
+        if len(parts) not in (3, 4):
+            raise ValueError(f"--emulate-compute {text!r}: expected F,B,W[,OPT] in milliseconds, e.g. 20,20,10")
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"--emulate-compute {text!r}: every value must be a number of milliseconds") from None
+        return cls(*values)
+
+
+def sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches ``deadline``."""
+    left = deadline - time.perf_counter()
+    while left > 0:
+        time.sleep(left)
+        left = deadline - time.perf_counter()
+
+
+class EmulatedCompute:
+    """F/B/W/BW handlers that sleep (see the module docstring); one instance per executor."""
+
+    def __init__(self, costs: EmulatedCosts, *, chunks: int, boundary_specs: Sequence[TensorSpec]) -> None:
+        if chunks < 1:
+            raise ValueError(f"{chunks=} must be >= 1")
+        self.costs = costs
+        self.f_s = costs.f_ms / 1e3 / chunks
+        self.b_s = costs.b_ms / 1e3 / chunks
+        self.w_s = costs.w_ms / 1e3 / chunks
+        self.buffers = [torch.zeros(spec.shape, dtype=spec.dtype) for spec in boundary_specs]
+        self.deadline = 0.0
+
+    def install(self, ex: PipelineExecutor) -> None:
+        """Replace ``ex``'s compute handlers by sleeping ones."""
+        ex.handlers[Kind.F] = self._forward
+        ex.handlers[Kind.B] = self._b
+        ex.handlers[Kind.W] = self._w
+        ex.handlers[Kind.BW] = self._bw
+        ex.on_iteration_start.append(self.start_iteration)
+
+    def start_iteration(self, ex: PipelineExecutor | None = None) -> None:
+        self.deadline = time.perf_counter()
+
+    def _run(self, cost_s: float, t_ready: float | None) -> None:
+        start = self.deadline if t_ready is None else max(self.deadline, t_ready)
+        self.deadline = start + cost_s
+        sleep_until(self.deadline)
+
+    def _forward(self, ex: PipelineExecutor, a: Action) -> None:
+        t0 = time.perf_counter()
+        ex.fetch_input(a)
+        t1 = time.perf_counter()
+        self._run(self.f_s, t1 if t1 - t0 > _BLOCKED_S else None)
+        if a.stage < ex.num_stages - 1:
+            ex.deliver_output(a, self.buffers[a.stage])
+        ex.save_for_backward(a, None, None)
+
+    def _backward(self, ex: PipelineExecutor, a: Action, cost_s: float) -> None:
+        ex.pop_saved(a)
+        t0 = time.perf_counter()
+        ex.fetch_output_grad(a)
+        t1 = time.perf_counter()
+        self._run(cost_s, t1 if t1 - t0 > _BLOCKED_S else None)
+        if a.stage > 0:
+            ex.deliver_input_grad(a, self.buffers[a.stage - 1])
+
+    def _b(self, ex: PipelineExecutor, a: Action) -> None:
+        self._backward(ex, a, self.b_s)
+        ex.defer_w(a)
+
+    def _bw(self, ex: PipelineExecutor, a: Action) -> None:
+        self._backward(ex, a, self.b_s + self.w_s)
+
+    def _w(self, ex: PipelineExecutor, a: Action) -> None:
+        ex.complete_w(a)
+        self._run(self.w_s, None)
+
+    def optimizer_step(self) -> None:
+        """Sleep the OPT share (call once per iteration after ``executor.run``)."""
+        self.deadline = max(self.deadline, time.perf_counter())
+        self._run(self.costs.opt_ms / 1e3, None)
