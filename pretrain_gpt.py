@@ -18,7 +18,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(1)
 
     from megatron.arguments import parse_run_config
-    from megatron.config.errors import ConfigError
+    from megatron.config.errors import ConfigError, RunAbortedError
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -41,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank == 0:
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except RunAbortedError as err:  # disk full during a save, NaN with --check-for-nan-in-loss-and-grad
+        if rank == 0:
+            print(f"pretrain_gpt.py: stopped: {err}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -157,6 +157,122 @@ py::array_t<int64_t> gather_samples(const py::array& tokens, const py::array_t<i
   throw std::invalid_argument("gather_samples supports uint16 and int32 tokens");
 }
 
+// Reads GPT samples one at a time (or a batch) for GPTDataset.tokens: holds the dataset's arrays, so a call costs
+// one index lookup and one copy instead of the several NumPy scalar reads and slices of the Python loop.
+// Sample k = sample_tokens tokens of the stream doc_index[...], from row shuffle_index[k] of sample_index.
+class SampleReader {
+ public:
+  SampleReader(py::array tokens, py::array_t<int64_t, py::array::c_style> offsets,
+               py::array_t<int32_t, py::array::c_style> lengths, py::array doc_index,
+               py::array_t<int64_t, py::array::c_style> sample_index,
+               py::array_t<int64_t, py::array::c_style> shuffle_index, int64_t sample_tokens)
+      : tokens_(tokens), offsets_(offsets), lengths_(lengths), sample_index_(sample_index),
+        shuffle_index_(shuffle_index), sample_tokens_(sample_tokens) {
+    if (sample_tokens <= 0) throw std::invalid_argument("sample_tokens must be > 0");
+    if (!(tokens.flags() & py::array::c_style) || tokens.ndim() != 1)
+      throw std::invalid_argument("tokens must be a contiguous 1-d array");
+    if (sample_index.ndim() != 2 || sample_index.shape(1) != 2)
+      throw std::invalid_argument("sample_index must have shape [rows, 2]");
+    if (offsets.shape(0) != lengths.shape(0)) throw std::invalid_argument("offsets and lengths differ in size");
+    const auto kind = tokens.dtype().kind();
+    const auto size = tokens.dtype().itemsize();
+    if (kind == 'u' && size == 1) tok_type_ = U8;
+    else if (kind == 'u' && size == 2) tok_type_ = U16;
+    else if (kind == 'i' && size == 1) tok_type_ = I8;
+    else if (kind == 'i' && size == 2) tok_type_ = I16;
+    else if (kind == 'i' && size == 4) tok_type_ = I32;
+    else if (kind == 'i' && size == 8) tok_type_ = I64;
+    else throw std::invalid_argument("tokens must be an integer array of 1, 2, 4 or 8 bytes");
+    if (py::isinstance<py::array_t<int32_t>>(doc_index)) {
+      docs32_ = py::array_t<int32_t, py::array::c_style>::ensure(doc_index);
+    } else {
+      docs64_ = py::array_t<int64_t, py::array::c_style>::ensure(doc_index);
+      if (!docs64_) throw std::invalid_argument("doc_index must be an int32 or int64 array");
+    }
+    n_docs_ = doc_index.shape(0);
+    n_tok_ = tokens.shape(0);
+  }
+
+  int64_t num_samples() const { return shuffle_index_.shape(0); }
+
+  py::array_t<int64_t> get(int64_t k) const {
+    py::array_t<int64_t> out(sample_tokens_);
+    if (!fill(k, out.mutable_data())) throw std::out_of_range("sample index out of range (or inconsistent index arrays)");
+    return out;
+  }
+
+  py::array_t<int64_t> get_batch(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& ks) const {
+    const int64_t batch = ks.size();
+    py::array_t<int64_t> out({batch, sample_tokens_});
+    const int64_t* kp = ks.data();
+    int64_t* o = out.mutable_data();
+    bool ok = true;
+    {
+      py::gil_scoped_release release;
+      for (int64_t b = 0; b < batch && ok; ++b) ok = fill(kp[b], o + b * sample_tokens_);
+    }
+    if (!ok) throw std::out_of_range("sample index out of range (or inconsistent index arrays)");
+    return out;
+  }
+
+ private:
+  enum TokType { U8, U16, I8, I16, I32, I64 };
+
+  template <typename T>
+  static void copy(const void* base, int64_t begin, int64_t n, int64_t* dst) {
+    const T* src = static_cast<const T*>(base) + begin;
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int64_t>(src[i]);
+  }
+
+  int64_t doc_at(int64_t pos) const { return docs32_ ? docs32_.data()[pos] : docs64_.data()[pos]; }
+
+  bool fill(int64_t k, int64_t* row) const {
+    if (k < 0 || k >= shuffle_index_.shape(0)) return false;
+    const int64_t r = shuffle_index_.data()[k];
+    if (r < 0 || r >= sample_index_.shape(0)) return false;
+    int64_t pos = sample_index_.data()[2 * r], within = sample_index_.data()[2 * r + 1], filled = 0;
+    const int64_t* off = offsets_.data();
+    const int32_t* len = lengths_.data();
+    const int64_t n_seq = lengths_.shape(0);
+    const void* tok = tokens_.data();
+    while (filled < sample_tokens_) {
+      if (pos < 0 || pos >= n_docs_) return false;
+      const int64_t seq = doc_at(pos);
+      if (seq < 0 || seq >= n_seq) return false;
+      int64_t take = static_cast<int64_t>(len[seq]) - within;
+      if (take > sample_tokens_ - filled) take = sample_tokens_ - filled;
+      if (take > 0) {
+        const int64_t begin = off[seq] + within;
+        if (within < 0 || begin < 0 || begin + take > n_tok_) return false;
+        int64_t* dst = row + filled;
+        switch (tok_type_) {
+          case U8: copy<uint8_t>(tok, begin, take, dst); break;
+          case U16: copy<uint16_t>(tok, begin, take, dst); break;
+          case I8: copy<int8_t>(tok, begin, take, dst); break;
+          case I16: copy<int16_t>(tok, begin, take, dst); break;
+          case I32: copy<int32_t>(tok, begin, take, dst); break;
+          case I64: copy<int64_t>(tok, begin, take, dst); break;
+        }
+        filled += take;
+      }
+      ++pos;
+      within = 0;
+    }
+    return true;
+  }
+
+  py::array tokens_;
+  py::array_t<int64_t, py::array::c_style> offsets_;
+  py::array_t<int32_t, py::array::c_style> lengths_;
+  py::array_t<int32_t, py::array::c_style> docs32_;
+  py::array_t<int64_t, py::array::c_style> docs64_;
+  py::array_t<int64_t, py::array::c_style> sample_index_;
+  py::array_t<int64_t, py::array::c_style> shuffle_index_;
+  int64_t sample_tokens_;
+  int64_t n_docs_ = 0, n_tok_ = 0;
+  TokType tok_type_ = U16;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_helpers_cpp, m) {
@@ -169,4 +285,14 @@ PYBIND11_MODULE(_helpers_cpp, m) {
   m.def("gather_samples", &gather_samples, py::arg("tokens"), py::arg("offsets"), py::arg("lengths"),
         py::arg("doc_index"), py::arg("starts"), py::arg("sample_tokens"),
         "int64 [len(starts), sample_tokens]: the tokens of each sample start (doc_index position, offset)");
+  py::class_<SampleReader>(m, "SampleReader",
+                           "GPT samples by index: get(k) -> int64 [sample_tokens], get_batch(ks) -> [len(ks), ...]")
+      .def(py::init<py::array, py::array_t<int64_t, py::array::c_style>, py::array_t<int32_t, py::array::c_style>,
+                    py::array, py::array_t<int64_t, py::array::c_style>, py::array_t<int64_t, py::array::c_style>,
+                    int64_t>(),
+           py::arg("tokens"), py::arg("offsets"), py::arg("lengths"), py::arg("doc_index"), py::arg("sample_index"),
+           py::arg("shuffle_index"), py::arg("sample_tokens"))
+      .def("get", &SampleReader::get, py::arg("k"))
+      .def("get_batch", &SampleReader::get_batch, py::arg("ks"))
+      .def_property_readonly("num_samples", &SampleReader::num_samples);
 }

@@ -17,9 +17,10 @@ the tracker naming the previous, complete checkpoint; a stale ``.tmp`` directory
 Safety: files are read with ``torch.load(weights_only=True)`` (tensors and plain containers only; a pickled object
 that would run code is refused) after their size and sha256 match the manifest, which is JSON.
 
-Fault injection (tests): ``ZB_CKPT_FAIL_AFTER_FILES=k`` makes a save crash (``SimulatedCrash``, nothing cleaned up,
-as if the process died) after this process wrote ``k`` files; ``ZB_CKPT_ENOSPC=k`` raises ``OSError(ENOSPC)`` when
-writing the file after ``k`` files. ``ZB_CKPT_FAULT_RANK=r`` limits either switch to one rank.
+Fault injection (tests): ``ZB_CKPT_FAIL_AFTER_FILES=k`` makes a save crash (``SimulatedCrashError``, nothing cleaned
+up, as if the process died) after this process wrote ``k`` files of that save; ``ZB_CKPT_ENOSPC=k`` raises
+``OSError(ENOSPC)`` instead. ``ZB_CKPT_FAULT_ITERATION=n`` limits the switches to the save of iteration ``n`` and
+``ZB_CKPT_FAULT_RANK=r`` to one rank.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-class SimulatedCrash(RuntimeError):
+class SimulatedCrashError(RuntimeError):
     """Raised by the fault-injection switch to stand in for a process killed in the middle of a save."""
 
 
@@ -75,14 +76,22 @@ class _FaultInjector:
 
     def __init__(self) -> None:
         self.written = 0
+        self.iteration: int | None = None
+
+    def start_save(self, iteration: int) -> None:
+        self.written = 0
+        self.iteration = iteration
 
     def before_write(self, rank: int, path: Path) -> None:
         only = os.environ.get("ZB_CKPT_FAULT_RANK")
         if only is not None and int(only) != rank:
             return
+        at = os.environ.get("ZB_CKPT_FAULT_ITERATION")
+        if at is not None and int(at) != self.iteration:
+            return
         crash_after = os.environ.get("ZB_CKPT_FAIL_AFTER_FILES")
         if crash_after is not None and self.written >= int(crash_after):
-            raise SimulatedCrash(f"fault injection: save crashed after {self.written} files (before {path.name})")
+            raise SimulatedCrashError(f"fault injection: save crashed after {self.written} files (before {path.name})")
         enospc_after = os.environ.get("ZB_CKPT_ENOSPC")
         if enospc_after is not None and self.written >= int(enospc_after):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -220,7 +229,9 @@ def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
         if not isinstance(files, dict):
             raise ValueError("'files' is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"checkpoint {directory} has no valid {MANIFEST} ({err}); it is incomplete or damaged") from None
+        raise ConfigError(
+            f"checkpoint {directory} has no valid {MANIFEST} ({err}); it is incomplete or damaged"
+        ) from None
     return files
 
 

@@ -8,7 +8,13 @@ One iteration on every rank::
         backward(loss_k / m)          # gradients accumulate in fp32 param.main_grad; the reducer launches a bucket's
                                       # data-parallel all-reduce as soon as every gradient in it is final
     wait for the reducer (main_grad = mean over the whole global batch); sum sequence-parallel grads over tp
-    global grad norm over every model-parallel rank, clip, AdamW step with the scheduled learning rate
+    optimizer step (megatron.optimizer.main_params): unscale (fp16), one reduction of grad norm + inf/NaN over every
+    model-parallel rank, skip on inf/NaN (fp16: the loss scaler backs off), clip, AdamW on fp32 main params, copy
+    them into the (bf16/fp16/fp32) model; the LR schedule advances only when the step was applied (as in Megatron)
+
+Mixed precision: with ``--bf16``/``--fp16`` the model runs in half precision; its gradients accumulate into the fp32
+``main_grad`` buffers and the loss is multiplied by the loss scale before backward. ``--use-distributed-optimizer``
+reduce-scatters the buffers instead and shards the main parameters (``megatron.optimizer.distributed``).
 
 Samples: iteration ``it`` (1-based) uses global indices ``(it-1)*G .. it*G-1`` of the training split; microbatch
 ``k`` of data-parallel rank ``r`` holds ``(it-1)*G + k*b*dp + r*b + j`` for ``j < b`` (Megatron's sampler), so dp = 2
@@ -24,21 +30,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 
 from megatron.arguments import RunConfig, pad_vocab_size
-from megatron.config.errors import ConfigError
+from megatron.checkpoint_files import check_writable
+from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.config.errors import ConfigError, RunAbortedError
 from megatron.data.mock_data import MockGPTDataset, collate
 from megatron.model import GPTConfig, build_gpt_model
-from megatron.optimizer import AdamW, GradStats, LRScheduler, clip_grads
+from megatron.optimizer import DistributedOptimizer, GradStats, LRScheduler, MainParamOptimizer
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.data_parallel import DataParallelReducer
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
+from megatron.signal_handler import ExitSignalHandler
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
 
 
@@ -51,7 +62,7 @@ class Trainer:
     model_config: GPTConfig
     model: torch.nn.Module
     reducer: DataParallelReducer
-    optimizer: AdamW
+    optimizer: MainParamOptimizer
     scheduler: LRScheduler
     train_data: Any
     valid_data: Any | None
@@ -72,6 +83,8 @@ class StepResult:
     learning_rate: float
     grad_stats: GradStats
     skipped: bool
+    loss_scale: float = 1.0
+    nan: bool = False  # counted as a nan iteration (non-finite loss, or inf/NaN gradients without fp16 scaling)
 
 
 @dataclass(frozen=True)
@@ -148,17 +161,15 @@ def build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | Non
 
 
 def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid_data: Any = None) -> Trainer:
-    """Build model, reducer, optimizer, schedule and data for this rank."""
-    if run.checkpoint.save or run.checkpoint.load:
-        raise ConfigError("--save/--load: checkpointing is not available in this trainer yet; remove those flags")
+    """Build model, reducer, optimizer, schedule and data for this rank (``--load`` is applied by the caller)."""
     run = resolve_vocab(run)
     seed = run.training.seed
     torch.manual_seed(seed + 100 * ctx.pp_rank)  # dropout; parameters come from (seed, global name)
     model_config = GPTConfig.from_object(run.model)
     model = build_gpt_model(model_config, tp=ctx, sequence_parallel=run.parallel.sequence_parallel, seed=seed)
-    model = model.to(ctx.device)
-    reducer = DataParallelReducer(model, ctx)
-    optimizer = AdamW(model.named_parameters(), run.optimizer)
+    model = model.to(device=ctx.device, dtype=run.precision.params_dtype)
+    optimizer = build_optimizer(run, ctx, model)
+    reducer = optimizer.reducer
     scheduler = LRScheduler(run.lr_schedule, train_iters=run.training.train_iters)
     if train_data is None:
         train_data, valid_data = build_datasets(run, ctx)
@@ -173,6 +184,25 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         train_data=train_data,
         valid_data=valid_data,
     )
+
+
+def build_optimizer(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> MainParamOptimizer:
+    """The reducer (all-reduce, or reduce-scatter for the distributed optimizer) and the optimizer over it."""
+    sharded = run.optimizer.use_distributed_optimizer
+    reducer = DataParallelReducer(model, ctx, reduce_op="reduce_scatter" if sharded else "all_reduce")
+    named = [(model.global_name(n), p) for n, p in model.named_parameters()]
+    if sharded:
+        # Each element's gradient lives on one data-parallel rank: statistics reduce over dp x mp (every rank).
+        group = dist.group.WORLD if ctx.is_distributed and ctx.world_size > 1 else None
+        optimizer: MainParamOptimizer = DistributedOptimizer(
+            named, run.optimizer, run.precision, reducer=reducer, tp_rank=ctx.tp_rank, stats_group=group
+        )
+    else:
+        optimizer = MainParamOptimizer(
+            named, run.optimizer, run.precision, tp_rank=ctx.tp_rank, stats_group=ctx.mp_group
+        )
+    optimizer.reducer = reducer
+    return optimizer
 
 
 # ----------------------------------------------------------------------------------------------------- one step
@@ -213,11 +243,12 @@ def forward_backward(tr: Trainer) -> float:
     tr.model.train()
     tr.reducer.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    scale = tr.optimizer.loss_scale / m
     for k in range(m):
         batch = _load(tr.train_data, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device)
         tr.reducer.prepare_microbatch(is_last=k == m - 1)
         loss = _microbatch_loss(tr.model, batch)
-        (loss / m).backward()
+        (loss * scale).backward()
         total += loss.detach().double()
     tr.reducer.finish()
     if run.parallel.sequence_parallel:
@@ -226,27 +257,41 @@ def forward_backward(tr: Trainer) -> float:
 
 
 def optimizer_step(tr: Trainer) -> tuple[float, GradStats, bool]:
-    """Clip by the global norm and apply AdamW with the scheduled rate; returns (lr, grad stats, skipped)."""
+    """Unscale, check, clip and apply AdamW with the scheduled rate; returns (lr, grad stats, skipped).
+
+    A skipped step (inf/NaN gradients) leaves parameters, optimizer state and LR schedule unchanged.
+    """
     lr = tr.scheduler.current_lr
-    params = tr.optimizer.params
-    stats = clip_grads(params, tr.run.optimizer.clip_grad, tp_rank=tr.ctx.tp_rank, mp_group=tr.ctx.mp_group)
-    skipped = stats.found_nonfinite
-    if not skipped:
-        tr.optimizer.step(lr)
-    tr.scheduler.step()
-    return lr, stats, skipped
+    outcome = tr.optimizer.step(lr)
+    if not outcome.skipped:
+        tr.scheduler.step()
+    return lr, outcome.stats, outcome.skipped
 
 
 def train_step(tr: Trainer) -> StepResult:
+    scale = tr.optimizer.loss_scale
     loss = forward_backward(tr)
+    precision = tr.run.precision
+    if precision.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+        raise RunAbortedError(
+            f"the loss is {loss} at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
+            "lower --lr, raise --clip-grad strictness or resume from an earlier checkpoint"
+        )
     lr, stats, skipped = optimizer_step(tr)
+    # fp16 with dynamic scaling expects occasional overflow (the scaler handles it); otherwise inf/NaN is a fault.
+    overflow_expected = tr.optimizer.scaler.dynamic
+    if skipped and precision.check_for_nan_in_loss_and_grad and not overflow_expected:
+        raise RunAbortedError(
+            f"inf/NaN in the gradients at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
+            "lower --lr or resume from an earlier checkpoint"
+        )
     tr.iteration += 1
     tr.losses.append(loss)
     if skipped:
         tr.skipped_iterations += 1
-    if skipped or not math.isfinite(loss):
-        tr.nan_iterations += 1
-    return StepResult(loss=loss, learning_rate=lr, grad_stats=stats, skipped=skipped)
+    nan = not math.isfinite(loss) or (skipped and not overflow_expected)
+    tr.nan_iterations += int(nan)
+    return StepResult(loss=loss, learning_rate=lr, grad_stats=stats, skipped=skipped, loss_scale=scale, nan=nan)
 
 
 @torch.no_grad()
@@ -279,8 +324,10 @@ def params_per_stage(tr: Trainer) -> list[int]:
 
 def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
     """Run the whole training job described by ``run`` on the ranks launched by torchrun (or one process)."""
-    if run.checkpoint.save or run.checkpoint.load:  # before any collective: every rank fails alike
-        raise ConfigError("--save/--load: checkpointing is not available in this trainer yet; remove those flags")
+    if run.checkpoint.save:  # before any collective: every rank fails alike
+        check_writable(run.checkpoint.save)
+    if run.checkpoint.load and not Path(run.checkpoint.load).is_dir():
+        raise ConfigError(f"--load {run.checkpoint.load} does not exist; pass the directory you saved to with --save")
     ctx = ParallelContext.initialize(
         tp=run.parallel.tp_size,
         pp=run.parallel.pp_size,
@@ -327,25 +374,51 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
         layout=layout,
         params_per_stage=params_per_stage(tr),
         model_config=tr.model_config,
-        extra={"data": data, "train iterations": t.train_iters, "model FLOPs per iteration": f"{flops_per_iter:.3e}"},
+        extra={
+            "data": data,
+            "train iterations": t.train_iters,
+            "model FLOPs per iteration": f"{flops_per_iter:.3e}",
+            "precision": run.precision.name
+            + (", distributed optimizer" if run.optimizer.use_distributed_optimizer else ""),
+        },
     )
+    ckpt = run.checkpoint
+    if ckpt.load:
+        load_checkpoint(tr, log=logger.print)
+    signals = ExitSignalHandler() if ckpt.exit_signal_handler else nullcontext()
+    with signals:
+        summary = _train_loop(tr, logger, tokens_per_iter, flops_per_iter, signals)
+    logger.close()
+    return summary
+
+
+def _save(tr: Trainer, logger: TrainingLogger) -> None:
+    save_checkpoint(tr, log=logger.print)
+
+
+def _train_loop(
+    tr: Trainer, logger: TrainingLogger, tokens_per_iter: int, flops_per_iter: float, signals: object
+) -> TrainSummary:
+    run, ctx, t, ckpt = tr.run, tr.ctx, tr.run.training, tr.run.checkpoint
 
     validation: list[tuple[int, float]] = []
     window_loss, window_iters, window_start = 0.0, 0, time.time()
     window_skipped = window_nan = 0
     run_start = time.time()
     last_grad_norm: float | None = None
+    saved_at = tr.iteration if ckpt.load else -1
+    start_iteration = tr.iteration
     while tr.iteration < t.train_iters:
         res = train_step(tr)
         window_loss += res.loss if math.isfinite(res.loss) else 0.0
         window_iters += 1
         window_skipped += int(res.skipped)
-        window_nan += int(res.skipped or not math.isfinite(res.loss))
+        window_nan += int(res.nan)
         last_grad_norm = res.grad_stats.norm
         it = tr.iteration
         if it % run.logging.log_interval == 0 or it == t.train_iters:
             elapsed = (time.time() - window_start) / window_iters
-            good = window_iters - window_nan
+            good = window_iters - window_nan - (window_skipped if tr.optimizer.scaler.dynamic else 0)
             logger.iteration(
                 IterationStats(
                     iteration=it,
@@ -356,7 +429,7 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
                     global_batch_size=run.global_batch_size,
                     lm_loss=window_loss / good if good else float("nan"),
                     grad_norm=last_grad_norm,
-                    loss_scale=1.0,
+                    loss_scale=res.loss_scale,
                     skipped_iterations=window_skipped,
                     nan_iterations=window_nan,
                     tokens_per_s=tokens_per_iter / elapsed,
@@ -371,26 +444,40 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
             validation.append((it, loss))
             logger.validation(it, loss)
             window_start = time.time()  # validation time is not iteration time
+        if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
+            _save(tr, logger)
+            saved_at = it
+        if isinstance(signals, ExitSignalHandler) and signals.should_exit(distributed=ctx.is_distributed):
+            if saved_at != it:
+                _save(tr, logger)
+                saved_at = it
+            logger.print(f"exiting program after receiving SIGTERM, at iteration {it}")
+            break
         if t.exit_interval is not None and it % t.exit_interval == 0:
+            if ckpt.save and saved_at != it:
+                _save(tr, logger)
+                saved_at = it
             logger.print(f"exiting program at iteration {it} (--exit-interval {t.exit_interval})")
             break
+    else:
+        if ckpt.save and tr.iteration > 0 and saved_at != tr.iteration:
+            _save(tr, logger)
     wall = time.time() - run_start
     if tr.valid_data is not None and t.eval_iters > 0 and (not validation or validation[-1][0] != tr.iteration):
         loss = evaluate(tr)
         validation.append((tr.iteration, loss))
         logger.validation(tr.iteration, loss)
-    tail = tr.losses[-min(len(tr.losses), max(1, run.logging.log_interval)) :]
-    final_loss = sum(tail) / len(tail)
-    tokens_per_s = tokens_per_iter * tr.iteration / wall if wall > 0 else 0.0
+    tail = [x for x in tr.losses[-min(len(tr.losses), max(1, run.logging.log_interval)) :] if math.isfinite(x)]
+    final_loss = sum(tail) / len(tail) if tail else float("nan")
+    tokens_per_s = tokens_per_iter * (tr.iteration - start_iteration) / wall if wall > 0 else 0.0
     extra = {
-        "first lm loss": f"{tr.losses[0]:.6E}",
+        "first lm loss": f"{tr.losses[0]:.6E}" if tr.losses else "n/a",
         "skipped iterations": tr.skipped_iterations,
         "nan iterations": tr.nan_iterations,
     }
     if validation:
         extra["final validation loss"] = f"{validation[-1][1]:.6E}"
     logger.final_summary(iterations=tr.iteration, final_loss=final_loss, tokens_per_s=tokens_per_s, extra=extra)
-    logger.close()
     return TrainSummary(
         iterations=tr.iteration,
         losses=tuple(tr.losses),

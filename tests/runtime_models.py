@@ -56,7 +56,10 @@ class MLPStage(torch.nn.Sequential):
             super().__init__(DeferrableLinear(HIDDEN, HIDDEN), torch.nn.Tanh(), DeferrableLinear(HIDDEN, HIDDEN))
         else:
             super().__init__(
-                torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.LayerNorm(HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, HIDDEN)
+                torch.nn.Linear(HIDDEN, HIDDEN),
+                torch.nn.LayerNorm(HIDDEN),
+                torch.nn.GELU(),
+                torch.nn.Linear(HIDDEN, HIDDEN),
             )
 
 
@@ -229,12 +232,24 @@ def _swapped_order(lowered: LoweredSchedule) -> LoweredSchedule:
     while rank 0 sends them in order: untagged matching would hand 0F1's output to 1F0."""
     ranks = [list(r) for r in lowered.ranks]
     r0 = [st for st in ranks[0] if str(st) not in ("{0SEND_F0@1}", "{0SEND_F1@1}")]
-    both0 = CommBatch(tuple(a for st in ranks[0] if isinstance(st, CommBatch) for a in st.actions if a.microbatch < 2
-                            and a.kind.value == "SEND_F"))
+    both0 = CommBatch(
+        tuple(
+            a
+            for st in ranks[0]
+            if isinstance(st, CommBatch)
+            for a in st.actions
+            if a.microbatch < 2 and a.kind.value == "SEND_F"
+        )
+    )
     r0.insert([str(st) for st in r0].index("0F1") + 1, both0)
     r1 = [st for st in ranks[1] if str(st) not in ("{1RECV_F0@0}", "{1RECV_F1@0}")]
-    recvs = [a for st in ranks[1] if isinstance(st, CommBatch) for a in st.actions if a.microbatch < 2
-             and a.kind.value == "RECV_F"]
+    recvs = [
+        a
+        for st in ranks[1]
+        if isinstance(st, CommBatch)
+        for a in st.actions
+        if a.microbatch < 2 and a.kind.value == "RECV_F"
+    ]
     r1.insert(0, CommBatch(tuple(reversed(recvs))))
     return LoweredSchedule(lowered.schedule, (tuple(r0), tuple(r1)))
 

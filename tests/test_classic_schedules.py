@@ -47,7 +47,18 @@ def test_gpipe_exact_order():
 
 def test_interleaved_group_order():
     # Groups of p microbatches, chunk by chunk; a smaller last group.
-    assert interleaved_order(2, 5, 2) == [(0, 0), (1, 0), (0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1), (4, 0), (4, 1)]
+    assert interleaved_order(2, 5, 2) == [
+        (0, 0),
+        (1, 0),
+        (0, 1),
+        (1, 1),
+        (2, 0),
+        (3, 0),
+        (2, 1),
+        (3, 1),
+        (4, 0),
+        (4, 1),
+    ]
 
 
 def test_interleaved_exact_order_p2_m4():

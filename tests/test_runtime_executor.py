@@ -69,6 +69,7 @@ def test_two_ranks_every_kind_of_plan_matches_sequential_run() -> None:
         _assert_matches_reference(case, results)
 
 
+@pytest.mark.slow
 def test_three_ranks_odd_and_few_microbatches() -> None:
     cases = [Case("zb-h1", 3, 5), Case("zb-auto", 3, 4), Case("v-min", 3, 5), Case("1f1b", 3, 2, model="gpt")]
     cases = [c for c in cases if c.name in available() and _shape_ok(c.name, c.p, c.m, c.chunks)]

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from runtime_models import Case, lowered_for, pipeline_rank, reference
 from test_runtime_executor import _assert_matches_reference
@@ -21,7 +23,7 @@ P2P_TIMEOUT_S = 4.0
 
 def _fail(case: Case, p: int) -> MultiProcessError:
     with pytest.raises(MultiProcessError) as info:
-        run_multiprocess(pipeline_rank, p, args=(case,), timeout_s=120, failure_grace_s=4 * P2P_TIMEOUT_S)
+        run_multiprocess(pipeline_rank, p, args=(case,), timeout_s=120, failure_grace_s=1.5 * P2P_TIMEOUT_S)
     return info.value
 
 
@@ -32,19 +34,26 @@ def test_validator_rejects_the_hand_made_plans() -> None:
         validate_lowered(lowered_for(Case("gpipe", 2, 3, mutate="swapped_order")))
 
 
-def test_plan_that_needs_buffering_runs_on_plain_gloo_but_fails_in_checking_mode() -> None:
-    # Without the check, gloo's buffering hides the problem: the run completes with the right numbers ...
+@pytest.mark.slow
+def test_plan_that_needs_buffering_runs_on_plain_gloo() -> None:
+    # Without the check, gloo's buffering hides the problem: the run completes with the right numbers, which NCCL
+    # would never reach (its strict matching deadlocks this plan).
     plain = Case("zb-h1", 2, 3, mutate="needs_buffering", check=False, timeout_s=P2P_TIMEOUT_S)
     results = run_multiprocess(pipeline_rank, 2, args=(plain,), timeout_s=120)
     _assert_matches_reference(plain, results)
-    # ... which NCCL would never reach.  The checking mode says so.
+
+
+def test_checking_mode_catches_plan_that_needs_buffering() -> None:
     err = _fail(Case("zb-h1", 2, 3, mutate="needs_buffering", check=True, timeout_s=P2P_TIMEOUT_S), 2)
     assert set(err.failures) == {0, 1}
-    for rank, text in err.failures.items():
-        assert "CommOrderError" in text and "relies on buffering" in text, text
-    assert "0SEND_F1@1" in err.failures[0] and "1SEND_B0@0" in err.failures[1]
+    # Both ranks block; whichever times out first reports the unmatched send (the other may instead see it leave).
+    assert all("PipelineCommError" in t or "CommOrderError" in t for t in err.failures.values()), err
+    caught = [r for r, t in err.failures.items() if "CommOrderError" in t and "relies on buffering" in t]
+    assert caught, err
+    assert all({0: "0SEND_F1@1", 1: "1SEND_B0@0"}[r] in err.failures[r] for r in caught)
 
 
+@pytest.mark.slow
 def test_checking_mode_catches_pair_order_mismatch() -> None:
     err = _fail(Case("gpipe", 2, 3, mutate="swapped_order", check=True, timeout_s=P2P_TIMEOUT_S), 2)
     assert "CommOrderError" in err.failures[0] and "different orders" in err.failures[0], err.failures[0]
@@ -59,8 +68,11 @@ def test_dead_or_stopped_rank_makes_every_other_rank_fail_naming_it(sig: str) ->
     assert set(err.failures) == {0, 1, 2}
     for rank in (0, 2):
         text = err.failures[rank]
-        assert "PipelineCommError" in text, text
-        assert "from rank 1" in text and "waited for" in text, text
-        assert "killed" not in text.splitlines()[0], text  # failed by itself, within the P2P timeout
+        lines = [ln for ln in text.splitlines() if ln.startswith("zb_pipeline.runtime.p2p.PipelineCommError:")]
+        assert lines, f"rank {rank} did not fail with a PipelineCommError (killed by the harness?):\n{text}"
+        message = lines[-1]
+        assert re.search(r"(from|to) rank\(?s?\)? \[?1\b", message), message  # names the peer ...
+        assert re.search(r"\b\d+(RECV|SEND)_[FB]\d+@1\b", message), message  # ... and the transfer it waited on
+        assert re.search(r"\b\d+(F|B|W|BW)\d+ waited|posting", message), message  # ... and the action
     assert ("exited with code -9" if sig == "KILL" else "killed") in err.failures[1]
     reference(case, 3)  # the healthy plan itself is fine (sanity: the failure came from the fault)

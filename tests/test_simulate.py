@@ -28,7 +28,10 @@ def times(result) -> dict[str, tuple[float, float]]:
 def test_1f1b_p2_m2_with_comm_by_hand():
     # F = B = W = 1 (BW = 2), T_comm = 0.5.  Rank 0: 0F0 0F1 0BW0 0BW1; rank 1: 1F0 1BW0 1F1 1BW1.
     sched = generate("1f1b", 2, 2)
-    assert [[str(a) for a in r] for r in sched.ranks] == [["0F0", "0F1", "0BW0", "0BW1"], ["1F0", "1BW0", "1F1", "1BW1"]]
+    assert [[str(a) for a in r] for r in sched.ranks] == [
+        ["0F0", "0F1", "0BW0", "0BW1"],
+        ["1F0", "1BW0", "1F1", "1BW1"],
+    ]
     res = simulate(sched, StageCosts.uniform(2, comm=0.5))
     assert times(res) == {
         "0F0": (0.0, 1.0),

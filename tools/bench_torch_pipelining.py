@@ -46,7 +46,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from megatron.model import GPTConfig, build_gpt_stages  # noqa: E402
+from megatron.model import GPTConfig, GPTStage, build_gpt_stages  # noqa: E402
+from megatron.model.embedding import PositionEmbedding  # noqa: E402
 from megatron.parallel.tensor_parallel import (  # noqa: E402
     ColumnParallelLinear,
     RowParallelLinear,
@@ -54,7 +55,6 @@ from megatron.parallel.tensor_parallel import (  # noqa: E402
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from megatron.model.embedding import PositionEmbedding  # noqa: E402
 
 # name -> (torch schedule class name, stages per rank, placement)
 TORCH_SCHEDULES: dict[str, tuple[str, int, str]] = {
@@ -179,7 +179,21 @@ def stage_indices(rank: int, pp: int, chunks: int, placement: str) -> list[int]:
     raise ValueError(f"placement={placement!r} with chunks={chunks} is not supported")
 
 
-def build_modules(model: BenchModel, indices: Sequence[int], num_stages: int, *, linears: str) -> list[torch.nn.Module]:
+class ContiguousOutput(torch.nn.Module):
+    """A stage whose output is made contiguous: P2P sends and receives need dense buffers (our hidden states are
+    ``[s, b, h]`` views of ``[b, s, h]`` embeddings)."""
+
+    def __init__(self, stage: GPTStage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stage(x).contiguous()
+
+
+def build_modules(
+    model: BenchModel, indices: Sequence[int], num_stages: int, *, linears: str
+) -> list[ContiguousOutput]:
     """Our GPT stages ``indices`` of a ``num_stages``-way split, with ``linears`` in {"autograd", "deferrable"}."""
     if linears not in ("autograd", "deferrable"):
         raise ValueError(f"linears={linears!r} must be 'autograd' or 'deferrable'")
@@ -187,7 +201,7 @@ def build_modules(model: BenchModel, indices: Sequence[int], num_stages: int, *,
     if linears == "autograd":
         for mod in mods:
             use_autograd_linears(mod)
-    return mods
+    return [ContiguousOutput(mod) for mod in mods]
 
 
 # ------------------------------------------------------------------------------------------- one torch schedule
@@ -197,7 +211,7 @@ class TorchRunner:
 
     name: str
     m: int
-    modules: list[torch.nn.Module]
+    modules: list[ContiguousOutput]
     schedule: object
     has_first: bool
     has_last: bool
@@ -214,19 +228,21 @@ class TorchRunner:
         args = (self.tokens,) if self.has_first else ()
         target = self.labels if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses if self.has_last else None, return_outputs=False)
-        return [float(x) for x in losses]
+        return [float(x.detach()) for x in losses]
 
     def grads(self) -> dict[str, np.ndarray]:
         """Parameter gradients by global name (numpy, for the harness's pipe)."""
         out = {}
         for mod in self.modules:
-            for name, param in mod.named_parameters():
+            for name, param in mod.stage.named_parameters():
                 if param.grad is not None:
-                    out[mod.global_name(name)] = param.grad.detach().numpy().copy()
+                    out[mod.stage.global_name(name)] = param.grad.detach().numpy().copy()
         return out
 
 
-def build_torch_runner(rank: int, world_size: int, model: BenchModel, name: str, m: int, *, linears: str) -> TorchRunner:
+def build_torch_runner(
+    rank: int, world_size: int, model: BenchModel, name: str, m: int, *, linears: str
+) -> TorchRunner:
     """Build torch schedule ``name`` (a key of ``TORCH_SCHEDULES``) for ``world_size`` ranks on this rank."""
     import torch.distributed.pipelining as pipelining
 
@@ -364,7 +380,7 @@ def reference_losses_and_grads(model: BenchModel, m: int) -> tuple[list[float], 
     for tok, lab in zip(tokens.chunk(m), labels.chunk(m)):
         loss = loss_fn(whole(tok), lab)
         (loss / m).backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     grads = {whole.global_name(n): p.grad.detach().numpy().copy() for n, p in whole.named_parameters()}
     return losses, grads
 
@@ -375,9 +391,7 @@ def torch_losses_and_grads(
     """One step of each torch schedule on ``pp`` gloo ranks: losses (from the last stage) and all gradients."""
     from zb_pipeline.testing.harness import run_multiprocess
 
-    per_rank = run_multiprocess(
-        _rank_losses_and_grads, pp, args=(model, list(names), m, linears), timeout_s=timeout_s
-    )
+    per_rank = run_multiprocess(_rank_losses_and_grads, pp, args=(model, list(names), m, linears), timeout_s=timeout_s)
     out = {}
     for name in names:
         losses = [x for r in per_rank for x in r[name][0]]
@@ -463,12 +477,8 @@ def to_markdown(report: dict[str, object]) -> str:
     ]
     for m, rows in report["results"].items():
         for row in rows:
-            ratio = (
-                f"{row['ratio']:.3f} [{row['ratio_lo']:.3f}, {row['ratio_hi']:.3f}]" if "ratio" in row else "-"
-            )
-            lines.append(
-                f"| {m} | {row['schedule']} | {row['median_s']:.3f} | {row['tokens_per_s']:,.0f} | {ratio} |"
-            )
+            ratio = f"{row['ratio']:.3f} [{row['ratio_lo']:.3f}, {row['ratio_hi']:.3f}]" if "ratio" in row else "-"
+            lines.append(f"| {m} | {row['schedule']} | {row['median_s']:.3f} | {row['tokens_per_s']:,.0f} | {ratio} |")
     lines += [
         "",
         "DualPipeV needs m >= 2 pp here; interleaved schedules use 2 stages per rank (loop placement), ZBV and "

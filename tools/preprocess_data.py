@@ -56,9 +56,17 @@ def expand_inputs(paths: list[str]) -> list[str]:
 
 
 def _init_worker(config: TokenizerConfig, keys: list[str], append_eod: bool) -> None:
+    """Set up a worker: a forked one inherits the parent's tokenizer (built before the pool), a spawned one builds."""
     global _TOKENIZER
-    _TOKENIZER = build_tokenizer(config)
-    _OPTIONS.update(keys=keys, append_eod=append_eod)
+    if _TOKENIZER is None or _OPTIONS.get("config") != config:
+        _TOKENIZER = build_tokenizer(config)
+    _OPTIONS.update(config=config, keys=keys, append_eod=append_eod)
+
+
+def _set_worker_tokenizer(tokenizer, config: TokenizerConfig | None) -> None:
+    global _TOKENIZER
+    _TOKENIZER = tokenizer
+    _OPTIONS["config"] = config
 
 
 def process_chunk(lines: list[bytes], is_json: bool) -> tuple[dict, collections.Counter, int, str | None]:
@@ -99,19 +107,16 @@ def process_chunk(lines: list[bytes], is_json: bool) -> tuple[dict, collections.
             else:
                 texts[k].append(value)
     out = {}
-    dtype = token_dtype_for(tok.vocab_size)
     for k, docs in texts.items():
-        ids = tok.tokenize_batch(docs) if docs else []
-        if append_eod:
-            for d in ids:
-                d.append(tok.eod)
-        lengths = np.fromiter((len(d) for d in ids), dtype=np.int64, count=len(ids))
+        if docs:
+            flat, lengths = tok.tokenize_flat(docs, tok.eod if append_eod else None)
+        else:
+            flat, lengths = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         empty = lengths == 0
-        if empty.any():  # e.g. a text the tokenizer maps to nothing
+        if empty.any():  # e.g. a text the tokenizer maps to nothing (the flat array holds nothing for it)
             skips[f"no tokens in {k!r}"] += int(empty.sum())
             lengths = lengths[~empty]
-        flat = np.fromiter((t for d in ids for t in d), dtype=dtype, count=int(lengths.sum()))
-        out[k] = (flat, lengths)
+        out[k] = (flat, lengths)  # the writer checks the ids fit its dtype and converts
     return out, skips, nbytes, getattr(tok, "backend", None)
 
 
@@ -182,11 +187,13 @@ def preprocess(args: argparse.Namespace) -> dict:
     chunks = iter_chunks(files, args.chunk_bytes, args.input_format)
     try:
         if args.workers <= 1:
+            _set_worker_tokenizer(tokenizer, config)
             _init_worker(config, keys, args.append_eod)
             for chunk, is_json in chunks:
                 consume(process_chunk(chunk, is_json))
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+            _set_worker_tokenizer(tokenizer, config)  # forked workers inherit it (no rebuild: vocab, regex tables)
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             ctx = multiprocessing.get_context(method)
             with ctx.Pool(args.workers, initializer=_init_worker, initargs=(config, keys, args.append_eod)) as pool:
@@ -202,6 +209,7 @@ def preprocess(args: argparse.Namespace) -> dict:
             w.abort()
         raise
     finally:
+        _set_worker_tokenizer(None, None)
         if bar is not None:
             bar.close()
     elapsed = time.perf_counter() - t0

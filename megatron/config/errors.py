@@ -16,6 +16,6 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-class RunAborted(RuntimeError):
+class RunAbortedError(RuntimeError):
     """The run stopped for a reason outside its input (disk full during a save, NaN with
     ``--check-for-nan-in-loss-and-grad``): the message is one line naming what happened and what to do."""

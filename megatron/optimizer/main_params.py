@@ -203,8 +203,7 @@ class MainParamOptimizer:
             self.adam.state[id(s.main)] = {
                 k: entry[k][s.lo : s.hi].clone().view_as(s.main).to(s.main.device) for k in ("exp_avg", "exp_avg_sq")
             }
-        self.adam.step_count = steps.pop()
-        self.publish()
+        self.adam.step_count = steps.pop()  # the caller publishes (a collective for the distributed optimizer)
 
 
 def assemble_pieces(piece_dicts: list[dict[str, dict[str, object]]]) -> dict[str, dict[str, torch.Tensor]]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from itertools import chain
+
+import numpy as np
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -57,6 +60,18 @@ class MegatronTokenizer(ABC):
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of several documents; subclasses override this with a faster batched path."""
         return [self.tokenize(t) for t in texts]
+
+    def tokenize_flat(self, texts: list[str], append_id: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids of all texts back to back, int64 count per text), with `append_id` after each text when given.
+
+        The form preprocessing writes; subclasses with a faster path override it (GPT2BPETokenizer does).
+        """
+        ids = self.tokenize_batch(texts)
+        if append_id is not None:
+            for d in ids:
+                d.append(append_id)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        return np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum())), lengths
 
     def describe(self) -> str:
         return f"{self.name} (vocab size {self.vocab_size}, eod {self.eod}, pad {self.pad})"

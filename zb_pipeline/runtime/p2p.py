@@ -157,6 +157,19 @@ class PipelineP2P:
 
     def post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """Post every op of ``batch``; ``payload(send_action)`` gives the tensor a send moves."""
+        try:
+            self._post(batch, payload)
+        except PipelineCommError:
+            raise
+        except RuntimeError as err:
+            if not isinstance(err, dist.DistError) and "onnection" not in str(err):
+                raise
+            peers = sorted({a.peer for a in batch.actions})
+            raise PipelineCommError(
+                f"rank {self.pp_rank}: posting {batch} to rank(s) {peers} failed: {_first_line(err)}"
+            ) from err
+
+    def _post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         self._reap_sends()
         ops: list[tuple[bool, torch.Tensor, int, Action]] = []
         new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []

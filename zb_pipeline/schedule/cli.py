@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -144,8 +145,6 @@ def _use_color(mode: str) -> bool:
         return True
     if mode == "never":
         return False
-    import os
-
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
@@ -367,7 +366,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         return args.fn(args)
-    except (UsageError, ValueError, OSError) as e:
+    except BrokenPipeError:  # `zb-schedule show ... | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        print(f"{PROG}: error: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except (UsageError, ValueError) as e:
         text = str(e).strip().splitlines()
         msg = text[0] if text else type(e).__name__
         print(f"{PROG}: error: {msg}", file=sys.stderr)

@@ -116,10 +116,17 @@ class StageCosts:
         return cls(f=fs, b=bs, w=ws, comm=float(comm), mem_f=mf, mem_b=mb, mem_w=mw)
 
     @classmethod
-    def uniform(cls, num_stages: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0) -> StageCosts:
+    def uniform(
+        cls, num_stages: int, *, f: float = 1.0, b: float = 1.0, w: float = 1.0, comm: float = 0.0
+    ) -> StageCosts:
         """The same cost on every virtual stage, default memory model (mem_f = 1 per stage)."""
         n = num_stages
         return cls(
-            f=(float(f),) * n, b=(float(b),) * n, w=(float(w),) * n, comm=float(comm),
-            mem_f=(1.0,) * n, mem_b=(0.0,) * n, mem_w=(-1.0,) * n,
+            f=(float(f),) * n,
+            b=(float(b),) * n,
+            w=(float(w),) * n,
+            comm=float(comm),
+            mem_f=(1.0,) * n,
+            mem_b=(0.0,) * n,
+            mem_w=(-1.0,) * n,
         )

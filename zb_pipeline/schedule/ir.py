@@ -163,7 +163,9 @@ class Schedule:
             )
         for s, r in enumerate(self.stage_to_rank):
             if not 0 <= r < self.num_ranks:
-                raise ValueError(f"schedule {self.name!r}: stage {s} placed on rank {r}, outside 0..{self.num_ranks - 1}")
+                raise ValueError(
+                    f"schedule {self.name!r}: stage {s} placed on rank {r}, outside 0..{self.num_ranks - 1}"
+                )
         if len(self.ranks) != self.num_ranks:
             raise ValueError(
                 f"schedule {self.name!r}: {len(self.ranks)} rank action lists, expected num_ranks={self.num_ranks}"

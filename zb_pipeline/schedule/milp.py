@@ -88,7 +88,9 @@ def solve_exact(
     try:
         import highspy
     except ImportError as exc:  # pragma: no cover - exercised only without the optional dependency
-        raise ValueError("the exact solver needs the optional package highspy: pip install 'zb-megatron[milp]'") from exc
+        raise ValueError(
+            "the exact solver needs the optional package highspy: pip install 'zb-megatron[milp]'"
+        ) from exc
 
     p, m = num_ranks, num_microbatches
     if p < 1 or m < 1 or chunks < 1:

@@ -61,11 +61,13 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
     p = sched.num_ranks
     t_end = result.end_time or 1.0
     n_actions = max((len(tl) for tl in result.timeline), default=1)
-    width = min(40.0, max(8.0, 0.28 * n_actions + 2.0))
-    height = 1.3 + 0.42 * p
+    width = min(32.0, max(8.0, 0.28 * n_actions + 2.0))
+    top_in, row_in, bottom_in = 0.72, 0.42, 0.55  # title + legend band, one rank row, the time axis
+    height = top_in + row_in * p + bottom_in
     fig = Figure(figsize=(width, height), dpi=110)
-    ax = fig.add_axes((0.07, 0.28 if p <= 2 else 0.12 + 0.6 / (p + 6), 0.91, 0.55 if p <= 2 else 0.72))
-    px_per_unit = width * fig.dpi * 0.91 / t_end
+    left, axes_w = 0.9 / width, 1 - 1.1 / width
+    ax = fig.add_axes((left, bottom_in / height, axes_w, row_in * p / height))
+    px_per_unit = width * axes_w * fig.dpi / t_end
     label_size = 8 if p <= 16 else 6
     chunk_of = _chunk_index(sched)
     chunks = sched.chunks
@@ -106,7 +108,7 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
     ax.tick_params(axis="x", labelsize=8)
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or timeline_title(result), fontsize=11, loc="left")
+    fig.text(left, 1 - 0.1 / height, title or timeline_title(result), fontsize=11, ha="left", va="top")
 
     kinds = [
         k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(ta.action.kind is k for tl in result.timeline for ta in tl)
@@ -115,7 +117,16 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
     if chunks > 1:
         handles += [Patch(facecolor=_shade("#777777", 0.5), label="later chunk (lighter)")]
     handles.append(Patch(facecolor=IDLE_COLOR, label="idle (bubble)"))
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(left, 1 - 0.38 / height),
+        ncol=len(handles),
+        fontsize=8,
+        frameon=False,
+        borderaxespad=0,
+        handlelength=1.4,
+    )
     fig.savefig(os.fspath(path))
 
 
@@ -123,8 +134,8 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
     """The timeline as text, one line per rank and time running right; ANSI colours per kind if ``color``.
 
     With colour a box shows the microbatch number (the colour says the kind; later chunks in bright colours);
-    without it, the kind letter too (``X`` = BW).  Idle time prints as ``.``.  Time is scaled so the shortest
-    action is a few characters wide, squeezed to ``max_width`` columns if needed.
+    without it, the kind letter too (``X`` = BW; lower case for later chunks).  Idle time prints as ``.``.
+    Time is scaled so the shortest action is a few characters wide, squeezed to ``max_width`` columns if needed.
     """
     sched = result.schedule
     t_end = result.end_time
@@ -152,7 +163,11 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
                 cells.append(("\x1b[2m" + "." * (c0 - col) + "\x1b[0m") if color else "." * (c0 - col))
             w = c1 - c0
             a = ta.action
-            text = str(a.microbatch) if color else f"{_KIND_LETTER[a.kind]}{a.microbatch}"
+            if color:
+                text = str(a.microbatch)
+            else:  # later chunks in lower case
+                letter = _KIND_LETTER[a.kind]
+                text = f"{letter.lower() if chunk_of[a.stage] > 0 else letter}{a.microbatch}"
             box = text[:w].center(w)
             if color:
                 bg = _ANSI_BG[a.kind][1 if chunk_of[a.stage] > 0 else 0]
@@ -167,7 +182,10 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
         legend = " ".join(f"\x1b[{_ANSI_BG[k][0]};30m {k.value} \x1b[0m" for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
         lines.append(f"{'':>{label_col}}  {legend}  \x1b[2m.\x1b[0m idle   (bright = later chunk)")
     else:
-        lines.append(f"{'':>{label_col}}  F=forward B=backward(input) W=weight grad X=full backward(BW) .=idle")
+        lines.append(
+            f"{'':>{label_col}}  F=forward B=backward(input) W=weight grad X=full backward(BW) .=idle "
+            "(lower case: later chunk)"
+        )
     return "\n".join(lines)
 
 
@@ -190,7 +208,7 @@ def plot_comparison(
     from matplotlib.figure import Figure
 
     n = len(rows)
-    fig = Figure(figsize=(14, 1.6 + 0.42 * max(n, 1)), dpi=110)
+    fig = Figure(figsize=(14, 1.2 + 0.4 * max(n, 1)), dpi=110)
     panels = [
         ("bubble rate", [r.bubble_rate for r in rows], "{:.1%}"),
         ("makespan", [r.makespan for r in rows], "{:g}"),
@@ -198,7 +216,8 @@ def plot_comparison(
         ("P2P messages / iteration", [float(r.p2p_messages) for r in rows], "{:.0f}"),
     ]
     names = [r.name if r.chunks == 1 else f"{r.name} (x{r.chunks})" for r in rows]
-    palette = ["#3b6fb6", "#4aa564", "#e39a3b", "#8a5cb8", "#c44e52", "#64b5cd", "#8c8c8c", "#b5a33b"]
+    palette = ["#3b6fb6", "#4aa564", "#e39a3b", "#8a5cb8", "#c44e52", "#64b5cd", "#8c8c8c", "#b5a33b", "#d17ab5"]
+    palette += ["#6f4e37", "#2f8f83", "#9c9ede"]
     colors = [palette[i % len(palette)] for i in range(n)]
     for k, (label, values, fmt) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), k + 1)
@@ -216,5 +235,5 @@ def plot_comparison(
             ax.spines[side].set_visible(False)
     note = f"  (not shown: {'; '.join(skipped)})" if skipped else ""
     fig.suptitle(title + note, fontsize=11, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (1.2 + 0.4 * max(n, 1))))
     fig.savefig(os.fspath(path))

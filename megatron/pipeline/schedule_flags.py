@@ -1,0 +1,214 @@
+"""Pipeline-schedule flags -> ``ScheduleConfig``: our own flags and the reference zero-bubble fork's, one mapping.
+
+Flags (``add_schedule_args`` adds them to an argparse parser; ``ScheduleConfig.from_flags`` reads the parsed values
+from any mapping or namespace keyed by argparse dest names):
+
+    --pipeline-schedule {gpipe,1f1b,interleaved-1f1b,zb-h1,zb-h2,zb-auto,zb-v,v-half,v-min,interleaved-zb}
+    --schedule-file plan.json                 a plan exported by ``zb-schedule simulate --export`` (wins over the name)
+    --num-layers-per-virtual-pipeline-stage N  chunks = num_layers / (pp x N)
+
+The reference fork's flags, so its users' scripts run unchanged:
+
+    --enable-zero-bubble                      -> zb-auto
+    --zero-bubble-v-schedule                  -> zb-v, and with
+    --zero-bubble-v-schedule-mem-setup {zb,half,min}  -> zb-v / v-half / v-min
+    --zero-bubble-max-pending-backward N      -> zb-auto's memory limit: N microbatches' activations per rank (in the
+                                                 generators' units, mem_f = 1 per rank's share); ignored by V schedules
+    --zero-bubble-max-pending-backward auto   -> the limit that fits --zero-bubble-adaptive-memory-limit-percentile
+                                                 (default 85) of device memory; resolved by the profiler at run time
+                                                 (``mem_limit_auto``), no limit until then
+    --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window (stored for the measurement code)
+    --enable-exactly-numeric-match            accepted: our runtime is exact by construction (each stage's weight
+                                                 gradients accumulate in microbatch order)
+    --enable-optimizer-post-validation        accepted and stored
+
+An explicit ``--pipeline-schedule`` that contradicts a fork flag is an error (one line naming both).  Without any
+flag the schedule is ``1f1b`` (``interleaved-1f1b`` when --num-layers-per-virtual-pipeline-stage is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.config.errors import ConfigError, require
+
+PIPELINE_SCHEDULES: tuple[str, ...] = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zb-h1",
+    "zb-h2",
+    "zb-auto",
+    "zb-v",
+    "v-half",
+    "v-min",
+    "interleaved-zb",
+)
+V_SCHEDULES = ("zb-v", "v-half", "v-min")
+MULTI_CHUNK_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
+V_MEM_SETUP = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Which plan the pipeline runs and how the runtime executes it."""
+
+    schedule: str = "1f1b"
+    schedule_file: str | None = None
+    num_layers_per_virtual_stage: int | None = None
+    mem_limit: float | None = None  # zb-auto: per rank, in microbatches' activations
+    mem_limit_auto: bool = False  # --zero-bubble-max-pending-backward auto
+    adaptive_memory_percentile: float = 85.0
+    timers_start_iter: int | None = None
+    timers_end_iter: int | None = None
+    exactly_numeric_match: bool = False
+    optimizer_post_validation: bool = False
+    p2p_check: bool = False  # the P2P checking mode (tests on gloo)
+    trace_path: str | None = None  # --pipeline-trace
+    emulate_compute: str | None = None  # --emulate-compute F,B,W[,OPT]
+
+    def __post_init__(self) -> None:
+        require(
+            self.schedule in PIPELINE_SCHEDULES,
+            f"--pipeline-schedule={self.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}",
+        )
+        require(self.mem_limit is None or self.mem_limit > 0, f"memory limit {self.mem_limit} must be > 0")
+        require(
+            0 < self.adaptive_memory_percentile <= 100,
+            f"--zero-bubble-adaptive-memory-limit-percentile={self.adaptive_memory_percentile} must be in (0, 100]",
+        )
+
+    # -- shape ----------------------------------------------------------------------------------------------
+    def chunks(self, *, num_layers: int, pp: int) -> int:
+        """Virtual stages per rank for this schedule on ``pp`` ranks."""
+        if self.schedule in V_SCHEDULES:
+            per = self.num_layers_per_virtual_stage
+            if per is not None:
+                require(
+                    num_layers == 2 * pp * per,
+                    f"{self.schedule} runs 2 chunks per rank: --num-layers-per-virtual-pipeline-stage {per} "
+                    f"needs --num-layers={2 * pp * per}",
+                )
+            return 2
+        if self.num_layers_per_virtual_stage is None:
+            return 2 if self.schedule in MULTI_CHUNK_SCHEDULES else 1
+        per = self.num_layers_per_virtual_stage
+        require(
+            num_layers % (pp * per) == 0,
+            f"--num-layers={num_layers} must be a multiple of pp x --num-layers-per-virtual-pipeline-stage = "
+            f"{pp * per}",
+        )
+        return num_layers // (pp * per)
+
+    # -- the plan ---------------------------------------------------------------------------------------------
+    def build_schedule(self, *, pp: int, num_microbatches: int, num_layers: int, costs: Any = None):
+        """The ``Schedule`` to run (validated and lowered by the caller); ``ConfigError`` with the fix on bad shapes."""
+        from zb_pipeline.schedule.plan_file import load_plan
+        from zb_pipeline.schedule.registry import generate
+
+        chunks = self.chunks(num_layers=num_layers, pp=pp)
+        if self.schedule_file is not None:
+            try:
+                plan = load_plan(self.schedule_file)
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"--schedule-file {self.schedule_file}: {str(err).splitlines()[0]}") from None
+            require(
+                plan.num_ranks == pp and plan.num_microbatches == num_microbatches,
+                f"--schedule-file {self.schedule_file} is for p={plan.num_ranks}, m={plan.num_microbatches}, but the "
+                f"run has --pipeline-model-parallel-size={pp} and {num_microbatches} microbatches",
+            )
+            return plan
+        mem_limit = None if self.schedule in V_SCHEDULES else self.mem_limit
+        try:
+            return generate(self.schedule, pp, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
+        except ValueError as err:
+            raise ConfigError(f"--pipeline-schedule {self.schedule}: {str(err).splitlines()[0]}") from None
+
+    # -- flags --------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any] | argparse.Namespace) -> ScheduleConfig:
+        """Map parsed flag values (argparse dest names; missing ones take their defaults) onto a config."""
+        v = vars(values) if isinstance(values, argparse.Namespace) else dict(values)
+
+        def get(name: str, default: Any = None) -> Any:
+            value = v.get(name, default)
+            return default if value is None else value
+
+        explicit = v.get("pipeline_schedule")
+        implied = None
+        if get("enable_zero_bubble", False):
+            implied, why = "zb-auto", "--enable-zero-bubble"
+        if get("zero_bubble_v_schedule", False):
+            setup = get("zero_bubble_v_schedule_mem_setup", "zb")
+            require(setup in V_MEM_SETUP, f"--zero-bubble-v-schedule-mem-setup={setup!r} must be zb, half or min")
+            implied, why = V_MEM_SETUP[setup], f"--zero-bubble-v-schedule (mem setup {setup})"
+        if explicit is not None and implied is not None and explicit != implied:
+            raise ConfigError(f"--pipeline-schedule {explicit} contradicts {why}, which means {implied}; drop one")
+        per = v.get("num_layers_per_virtual_pipeline_stage")
+        schedule = explicit or implied or ("interleaved-1f1b" if per is not None else "1f1b")
+
+        pending = v.get("zero_bubble_max_pending_backward")
+        mem_limit, auto = None, False
+        if pending is not None:
+            if str(pending).strip().lower() == "auto":
+                auto = True
+            else:
+                try:
+                    mem_limit = float(pending)
+                except ValueError:
+                    raise ConfigError(
+                        f"--zero-bubble-max-pending-backward={pending!r} must be a number of microbatches or 'auto'"
+                    ) from None
+        return cls(
+            schedule=schedule,
+            schedule_file=v.get("schedule_file"),
+            num_layers_per_virtual_stage=per,
+            mem_limit=mem_limit,
+            mem_limit_auto=auto,
+            adaptive_memory_percentile=float(get("zero_bubble_adaptive_memory_limit_percentile", 85.0)),
+            timers_start_iter=v.get("zero_bubble_pipeline_timers_start_iter"),
+            timers_end_iter=v.get("zero_bubble_pipeline_timers_end_iter"),
+            exactly_numeric_match=bool(get("enable_exactly_numeric_match", False)),
+            optimizer_post_validation=bool(get("enable_optimizer_post_validation", False)),
+            p2p_check=bool(get("pipeline_p2p_check", False)),
+            trace_path=v.get("pipeline_trace"),
+            emulate_compute=v.get("emulate_compute"),
+        )
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+# (flag, argparse keyword arguments): the table a flag parser adds (``add_schedule_args`` does it for argparse).
+SCHEDULE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--pipeline-schedule", dict(choices=PIPELINE_SCHEDULES, default=None, help="pipeline schedule (default 1f1b)")),
+    ("--schedule-file", dict(default=None, help="run this plan file (zb-schedule simulate --export)")),
+    ("--num-layers-per-virtual-pipeline-stage", dict(type=_positive_int, default=None, help="layers per chunk")),
+    ("--enable-zero-bubble", dict(action="store_true", help="zero-bubble fork flag: zb-auto")),
+    ("--zero-bubble-v-schedule", dict(action="store_true", help="zero-bubble fork flag: zb-v (see mem setup)")),
+    ("--zero-bubble-v-schedule-mem-setup", dict(choices=tuple(V_MEM_SETUP), default="zb", help="zb, half or min")),
+    ("--zero-bubble-max-pending-backward", dict(default=None, help="zb-auto memory limit in microbatches, or auto")),
+    ("--zero-bubble-adaptive-memory-limit-percentile", dict(type=float, default=85.0, help="with ...=auto")),
+    ("--zero-bubble-pipeline-timers-start-iter", dict(type=int, default=None, help="profiling window start")),
+    ("--zero-bubble-pipeline-timers-end-iter", dict(type=int, default=None, help="profiling window end")),
+    ("--enable-exactly-numeric-match", dict(action="store_true", help="accepted (always exact here)")),
+    ("--enable-optimizer-post-validation", dict(action="store_true", help="accepted")),
+    ("--pipeline-trace", dict(default=None, help="write a Chrome/Perfetto trace of what every rank executed")),
+    ("--emulate-compute", dict(default=None, help="F,B,W[,OPT] ms: sleep instead of computing (real P2P)")),
+    ("--pipeline-p2p-check", dict(action="store_true", help="check the strict P2P order at run time (gloo tests)")),
+)
+
+
+def add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the pipeline-schedule flags (an argument group) to ``parser``."""
+    group = parser.add_argument_group("pipeline schedule")
+    for flag, kwargs in SCHEDULE_FLAGS:
+        group.add_argument(flag, **kwargs)
+    return parser

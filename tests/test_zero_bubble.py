@@ -1,0 +1,108 @@
+"""ZB-H1 and ZB-H2: exact bubble theory, memory bounds, validity for every shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Kind
+from zb_pipeline.schedule.registry import generate
+from zb_pipeline.schedule.simulate import simulate
+from zb_pipeline.schedule.validate import validate
+
+RATIOS = ((1.0, 1.0, 1.0), (2.0, 2.0, 1.0))  # (F, B, W): F = B = W and F = B = 2W
+
+
+def _bubble(name: str, p: int, m: int, f: float, b: float, w: float, c: float) -> float:
+    costs = StageCosts.uniform(p, f=f, b=b, w=w, comm=c)
+    res = simulate(generate(name, p, m, costs=costs), costs)
+    return res.makespan - m * (f + b + w)
+
+
+@pytest.mark.parametrize("f,b,w", RATIOS)
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+def test_zb_h1_bubble_is_exact(p: int, f: float, b: float, w: float) -> None:
+    for m in (2 * p, 2 * p + 3, 4 * p):
+        assert _bubble("zb-h1", p, m, f, b, w, 0.0) == pytest.approx((p - 1) * (f + b - w), abs=1e-9)
+
+
+@pytest.mark.parametrize("f,b,w", RATIOS)
+@pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
+def test_zb_h2_bubble_is_exact_with_and_without_comm(p: int, f: float, b: float, w: float) -> None:
+    # The derivation (zero_bubble.py) needs the last rank never to wait: we test 2c <= W.
+    for c in (0.0, w / 4, w / 2):
+        for m in (2 * p, 2 * p + 3, 4 * p):
+            got = _bubble("zb-h2", p, m, f, b, w, c)
+            assert got == pytest.approx((p - 1) * (f + b + 2 * c - 2 * w), abs=1e-9), (p, m, c)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 7])
+def test_peak_memory_bounds(p: int) -> None:
+    for m in (1, p, 2 * p, 3 * p + 1):
+        for f, b, w in RATIOS:
+            costs = StageCosts.uniform(p, f=f, b=b, w=w, comm=0.1)
+            h1 = simulate(generate("zb-h1", p, m, costs=costs), costs)
+            h2 = simulate(generate("zb-h2", p, m, costs=costs), costs)
+            assert max(h1.peak_memory) <= p
+            assert max(h2.peak_memory) <= 2 * p - 1
+            if m >= 2 * p:  # the bounds are reached
+                assert h1.peak_memory[0] == p
+                assert h2.peak_memory[0] == 2 * p - 1
+
+
+def _check_shape(name: str, p: int, m: int, costs: StageCosts) -> None:
+    sched = generate(name, p, m, costs=costs)
+    validate(sched, costs=costs)
+    counts = {k: 0 for k in (Kind.F, Kind.B, Kind.W)}
+    for acts in sched.ranks:
+        for a in acts:
+            counts[a.kind] += 1
+    assert counts == {Kind.F: p * m, Kind.B: p * m, Kind.W: p * m}
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_every_shape_validates_subset(name: str) -> None:
+    for p in (1, 2, 3, 5, 8):
+        for m in (1, 2, p - 1, p, p + 1, 2 * p - 1, 2 * p + 1, 3 * p + 2):
+            if m >= 1:
+                _check_shape(name, p, m, StageCosts.uniform(p, f=1.0, b=1.5, w=0.7, comm=0.2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+@pytest.mark.parametrize("p", range(1, 17))
+def test_every_shape_validates_full(name: str, p: int) -> None:
+    for m in range(1, 65):
+        for f, b, w in ((1, 1, 1), (2, 2, 1), (1, 2, 1), (1, 1, 2)):
+            _check_shape(name, p, m, StageCosts.uniform(p, f=f, b=b, w=w, comm=0.3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", range(1, 17))
+def test_theory_full(p: int) -> None:
+    for f, b, w in RATIOS:
+        for m in range(2 * p, 64 + 1, 5):
+            assert _bubble("zb-h1", p, m, f, b, w, 0.0) == pytest.approx((p - 1) * (f + b - w), abs=1e-9)
+            for c in (0.0, w / 2):
+                assert _bubble("zb-h2", p, m, f, b, w, c) == pytest.approx((p - 1) * (f + b + 2 * c - 2 * w), abs=1e-9)
+
+
+def test_heterogeneous_stage_costs_are_used() -> None:
+    p, m = 4, 12
+    costs = StageCosts.build(num_ranks=p, f=[1.5, 1, 1, 2.0], b=[1.2, 1, 1, 2.2], w=[1, 1, 1, 1.6], comm=0.1)
+    for name in ("zb-h1", "zb-h2"):
+        sched = generate(name, p, m, costs=costs)
+        validate(sched, costs=costs, mem_limit=2 * p - 1)
+
+
+def test_mem_limit_below_peak_says_what_is_needed() -> None:
+    with pytest.raises(ValueError, match=r"zb-h2 needs mem_limit >= 7"):
+        generate("zb-h2", 4, 16, mem_limit=4)
+    with pytest.raises(ValueError, match=r"zb-h1 needs mem_limit >= 4"):
+        generate("zb-h1", 4, 16, mem_limit=3)
+    generate("zb-h1", 4, 16, mem_limit=4)
+
+
+def test_chunks_other_than_one_are_refused() -> None:
+    with pytest.raises(ValueError, match="chunks"):
+        generate("zb-h1", 4, 8, chunks=2)

@@ -1,0 +1,170 @@
+"""Benchmark the pipeline schedules: bubble rates over a table of settings, and zb-auto's search time.
+
+Writes ``bench/results/schedules.md`` and ``bench/results/schedules.png`` (``--out`` to change the folder).
+
+Columns are a list of ``Column`` (a name and a function of the setting returning a bubble rate or None); to add one
+(e.g. the exact solver's gap), append to ``COLUMNS`` or call ``main(extra_columns=[...])``.
+Run: ``.venv/bin/python tools/bench_schedules.py [--out DIR] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.generators import zb_auto
+from zb_pipeline.schedule.registry import available, generate, get
+from zb_pipeline.schedule.simulate import simulate
+
+
+@dataclass(frozen=True)
+class Setting:
+    p: int
+    m: int
+    f: float
+    b: float
+    w: float
+    comm: float
+
+    @property
+    def label(self) -> str:
+        return f"p={self.p} m={self.m} F:B:W={self.f:g}:{self.b:g}:{self.w:g} c={self.comm:g}"
+
+    def costs(self, chunks: int = 1) -> StageCosts:
+        return StageCosts.build(num_ranks=self.p, chunks=chunks, f=self.f, b=self.b, w=self.w, comm=self.comm)
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    fn: Callable[[Setting], float | None]  # bubble rate (0..1), or None where it does not apply
+
+
+def _bubble_of(name: str, *, chunks: int | None = None, limit_units: Callable[[int], float] | None = None):
+    def fn(s: Setting) -> float | None:
+        c = get(name).default_chunks if chunks is None else chunks
+        costs = s.costs(c)
+        limit = None if limit_units is None else limit_units(s.p)
+        try:
+            sched = generate(name, s.p, s.m, chunks=c, costs=costs, mem_limit=limit)
+        except ValueError:
+            return None
+        return simulate(sched, costs).bubble_rate
+
+    return fn
+
+
+def default_columns() -> list[Column]:
+    cols = [
+        Column("1f1b", _bubble_of("1f1b")),
+        Column("zb-h1", _bubble_of("zb-h1")),
+        Column("zb-h2", _bubble_of("zb-h2")),
+        Column("zb-auto (limit p)", _bubble_of("zb-auto", limit_units=lambda p: p)),
+        Column("zb-auto (limit 2p)", _bubble_of("zb-auto", limit_units=lambda p: 2 * p)),
+    ]
+    names = available()
+    for name in ("zb-v", "v-half", "v-min", "interleaved-zb"):  # registered by the V-shape work
+        if name in names:
+            cols.append(Column(name, _bubble_of(name)))
+    return cols
+
+
+SETTINGS: tuple[Setting, ...] = tuple(
+    Setting(p, m, f, b, w, c)
+    for p, m in ((4, 8), (4, 16), (8, 16), (8, 32), (16, 64))
+    for f, b, w in ((1, 1, 1), (2, 2, 1), (1, 2, 1))
+    for c in (0.0, 0.2)
+)
+
+
+def search_times(shapes: Sequence[tuple[int, int]], repeats: int) -> list[tuple[str, float, float, float, int]]:
+    """Median seconds of zb-auto's search (passes only) and of the full generate call, per shape and cost kind."""
+    rows = []
+    for p, m in shapes:
+        for kind in ("uniform", "per-stage"):
+            if kind == "uniform":
+                costs = StageCosts.uniform(p)
+            else:  # heavier first (embedding) and last (head + loss) stages
+                mid = [1.0] * (p - 2)
+                costs = StageCosts.build(
+                    num_ranks=p, f=[1.4, *mid, 1.8], b=[1.3, *mid, 2.0], w=[1.2, *mid, 1.5], comm=0.05
+                )
+            t_search, t_total = [], []
+            res = None
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                res = zb_auto.search(p, m, costs, p)
+                t_total.append(time.perf_counter() - t0)
+                t_search.append(res.seconds)
+            assert res is not None
+            bubble = simulate(res.schedule, costs).bubble_rate
+            rows.append(
+                (f"p={p} m={m} {kind}", statistics.median(t_search), statistics.median(t_total), bubble, res.passes)
+            )
+    return rows
+
+
+def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--quick", action="store_true", help="fewer settings and one timing run")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    columns = default_columns() + list(extra_columns)
+    settings = SETTINGS[::6] if args.quick else SETTINGS
+
+    table = [[col.fn(s) for col in columns] for s in settings]
+    lines = ["# Schedule benchmark", "", "Bubble rate (simulated; 1 - busiest rank's compute / makespan).", ""]
+    lines.append("| setting | " + " | ".join(c.name for c in columns) + " |")
+    lines.append("|---|" + "---|" * len(columns))
+    for s, row in zip(settings, table):
+        cells = ["n/a" if v is None else f"{100 * v:.2f}%" for v in row]
+        lines.append(f"| {s.label} | " + " | ".join(cells) + " |")
+
+    shapes = ((32, 256), (64, 512))
+    times = search_times(shapes, 1 if args.quick else 5)
+    lines += [
+        "",
+        f"## zb-auto search time (limit p x mem_f; backend: {'C++' if zb_auto._cpp else 'Python'})",
+        "",
+        "Reference fork's greedy: 0.42 s (p=32, m=256) and 2.0 s (p=64, m=512), uniform costs, same machine.",
+        "",
+        "| shape | search passes (s, median) | generate incl. building the Schedule (s, median) | bubble | passes |",
+        "|---|---|---|---|---|",
+    ]
+    for label, ts, tt, bub, n in times:
+        lines.append(f"| {label} | {ts:.3f} | {tt:.3f} | {100 * bub:.2f}% | {n} |")
+    (out / "schedules.md").write_text("\n".join(lines) + "\n")
+    _chart(out / "schedules.png", settings, columns, table)
+    print(f"wrote {out / 'schedules.md'} and {out / 'schedules.png'}")
+
+
+def _chart(path: Path, settings: Sequence[Setting], columns: Sequence[Column], table) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, 0.55 * len(settings)), 5))
+    width = 0.8 / len(columns)
+    for i, col in enumerate(columns):
+        xs = [k + i * width for k in range(len(settings))]
+        ys = [100 * (row[i] or 0.0) for row in table]
+        ax.bar(xs, ys, width, label=col.name)
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(settings))])
+    ax.set_xticklabels([s.label.replace(" F:B:W", "\n").replace(" c=", "\nc=") for s in settings], fontsize=6)
+    ax.set_ylabel("bubble rate (%)")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
