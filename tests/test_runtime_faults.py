@@ -59,7 +59,7 @@ def test_checking_mode_catches_pair_order_mismatch() -> None:
     assert "CommOrderError" in err.failures[0] and "different orders" in err.failures[0], err.failures[0]
 
 
-@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+@pytest.mark.parametrize("sig", ["KILL", pytest.param("STOP", marks=pytest.mark.slow)])
 def test_dead_or_stopped_rank_makes_every_other_rank_fail_naming_it(sig: str) -> None:
     case = Case("zb-h1", 3, 4, check=False, timeout_s=P2P_TIMEOUT_S)
     steps = [str(st) for st in lowered_for(case).ranks[1]]

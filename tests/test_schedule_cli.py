@@ -72,7 +72,7 @@ def test_show_terminal_and_pictures(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "<svg" in svg.read_text()[:2000]
     assert main(["show", "1f1b", "-p", "2", "-m", "2", "--grid"]) == 0
-    assert "rank 1: 1F0 1BW0 1F1 1BW1" in capsys.readouterr().out
+    assert "rank 1: 1F0 1BW0 1F1  1BW1" in capsys.readouterr().out  # aligned columns
 
 
 def test_compare_lists_every_schedule(tmp_path, capsys):

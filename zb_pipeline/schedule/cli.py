@@ -260,6 +260,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             )
         )
     title = f"p={args.ranks} m={args.microbatches}"
+    if not rows:
+        raise UsageError(f"no registered schedule can serve {title}: {'; '.join(f'{n}: {w}' for n, w in skipped)}")
     if args.json:
         print(
             json.dumps(
