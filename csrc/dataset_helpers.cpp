@@ -185,6 +185,7 @@ class SampleReader {
     else throw std::invalid_argument("tokens must be an integer array of 1, 2, 4 or 8 bytes");
     if (py::isinstance<py::array_t<int32_t>>(doc_index)) {
       docs32_ = py::array_t<int32_t, py::array::c_style>::ensure(doc_index);
+      doc32_ = true;
     } else {
       docs64_ = py::array_t<int64_t, py::array::c_style>::ensure(doc_index);
       if (!docs64_) throw std::invalid_argument("doc_index must be an int32 or int64 array");
@@ -224,7 +225,7 @@ class SampleReader {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<int64_t>(src[i]);
   }
 
-  int64_t doc_at(int64_t pos) const { return docs32_ ? docs32_.data()[pos] : docs64_.data()[pos]; }
+  int64_t doc_at(int64_t pos) const { return doc32_ ? docs32_.data()[pos] : docs64_.data()[pos]; }
 
   bool fill(int64_t k, int64_t* row) const {
     if (k < 0 || k >= shuffle_index_.shape(0)) return false;
@@ -264,8 +265,9 @@ class SampleReader {
   py::array tokens_;
   py::array_t<int64_t, py::array::c_style> offsets_;
   py::array_t<int32_t, py::array::c_style> lengths_;
-  py::array_t<int32_t, py::array::c_style> docs32_;
+  py::array_t<int32_t, py::array::c_style> docs32_;  // the one of docs32_/docs64_ that doc32_ names
   py::array_t<int64_t, py::array::c_style> docs64_;
+  bool doc32_ = false;
   py::array_t<int64_t, py::array::c_style> sample_index_;
   py::array_t<int64_t, py::array::c_style> shuffle_index_;
   int64_t sample_tokens_;

@@ -25,7 +25,7 @@ ARGV = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
     "--vocab-size", "100", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
     "--train-iters", "5", "--lr", "5e-3", "--lr-warmup-iters", "1", "--eval-iters", "0",
-    "--hidden-dropout", "0", "--attention-dropout", "0", "--save-interval", "3", "--seed", "5",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "5",
     "--distributed-timeout-seconds", "120",
 ]  # fmt: skip
 
@@ -37,7 +37,9 @@ def _train(rank: int, world_size: int, argv: list[str]) -> list[float]:
 
 def _resume_converted(tmp_path: Path, source_flags: list[str], target: dict, load_flags: list[str]) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
-    reference = run_multiprocess(_train, 2, args=([*ARGV, *source_flags, "--save", str(src)],), timeout_s=240)[0]
+    reference = run_multiprocess(
+        _train, 2, args=([*ARGV, *source_flags, "--save", str(src), "--save-interval", "3"],), timeout_s=240
+    )[0]
     out = checkpoint_convert.convert(src, dst, iteration=3, **target)
     assert out == cf.iteration_dir(dst, 3) and cf.read_tracker(dst) == 3
     torch.set_num_threads(1)
@@ -69,7 +71,7 @@ def test_dp2_distributed_optimizer_to_dp1(tmp_path):
 @pytest.mark.slow
 def test_tp1_to_tp2_and_dp_resharding_roundtrip(tmp_path):
     src = tmp_path / "src"
-    run_multiprocess(_train, 1, args=([*ARGV, "--save", str(src)],), timeout_s=240)
+    run_multiprocess(_train, 1, args=([*ARGV, "--save", str(src), "--save-interval", "3"],), timeout_s=240)
     checkpoint_convert.convert(src, tmp_path / "tp2", iteration=3, tp=2, pp=1, dp=3)
     checkpoint_convert.convert(tmp_path / "tp2", tmp_path / "back", tp=1, pp=1, dp=1)
     a = checkpoint_convert.export_single_file(src, tmp_path / "a.pt", iteration=3)

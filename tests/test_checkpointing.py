@@ -57,6 +57,7 @@ def _resume_case(tmp_path: Path, extra: list[str], world_size: int) -> None:
     assert first + second == full, "resumed losses must equal the uninterrupted run bit for bit"
 
 
+@pytest.mark.slow  # the default run resumes single-rank in test_crash_during_save_keeps_previous_checkpoint
 def test_resume_is_bit_exact_single_rank(tmp_path):
     _resume_case(tmp_path, [], 1)
 
@@ -200,6 +201,7 @@ def test_layout_mismatch_names_the_converter(tmp_path):
         _in_process([*BASE, "--load", ckpt])
 
 
+@pytest.mark.slow
 def test_cli_bad_load_exits_2_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *BASE, "--load", str(tmp_path / "nowhere")],

@@ -85,7 +85,7 @@ def test_auto_backend_agrees_and_chooses(bpe_files, bpe):
     assert tok.backend == "auto"
     tok.calibration_chars = 4096  # calibrate on the first few documents
     assert tok.tokenize_batch(corpus) == bpe.tokenize_batch(corpus)
-    assert tok.backend in ("rust", "python")
+    assert tok.backend == "fast"  # checked against the reference on the first calibration_chars, then used
 
 
 def test_sentencepiece_round_trip_up_to_normalisation(tmp_path):

@@ -76,7 +76,7 @@ class BenchModel:
     num_attention_heads: int = 8
     seq_length: int = 128
     vocab_size: int = 1024
-    micro_batch: int = 2
+    micro_batch: int = 1
     seed: int = 1234
 
     def gpt_config(self) -> GPTConfig:

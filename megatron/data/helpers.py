@@ -155,3 +155,32 @@ def gather_samples(
             pos += 1
             off = 0
     return out
+
+
+def sample_reader(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    lengths: np.ndarray,
+    doc_index: np.ndarray,
+    sample_index: np.ndarray,
+    shuffle_index: np.ndarray,
+    sample_tokens: int,
+    *,
+    use_cpp: bool | None = None,
+):
+    """A C++ `SampleReader` over a GPT dataset's arrays (`.get(k)`, `.get_batch(ks)`), or None without the helpers
+    (or with use_cpp=False); callers then read samples in Python. Arrays are kept by reference, not copied (except
+    an offsets/lengths array of another dtype)."""
+    if use_cpp is None:
+        use_cpp = HAVE_CPP
+    if not use_cpp or _cpp is None or tokens.dtype.kind not in "iu" or doc_index.dtype not in (np.int32, np.int64):
+        return None
+    return _cpp.SampleReader(
+        np.ascontiguousarray(tokens),
+        np.ascontiguousarray(offsets, dtype=np.int64),
+        np.ascontiguousarray(lengths, dtype=np.int32),
+        np.ascontiguousarray(doc_index),
+        np.ascontiguousarray(sample_index, dtype=np.int64),
+        np.ascontiguousarray(shuffle_index, dtype=np.int64),
+        int(sample_tokens),
+    )

@@ -79,6 +79,8 @@ class _Policy:
     order: str  # "bfw": B > F > W;  "fbw": F > B > W;  "f1bf0w": chunk-1 F > B > chunk-0 F > W
     pace: float = 0.0  # microbatch k enters no earlier than (k - burst) x pace x period (0: no pacing)
     burst: float = 0.0  # as a fraction of p (at least 1 when pacing)
+    fifo: bool = True  # consume each peer's hand-offs in the order it sent them
+    w_in_tau: bool = False  # "tau" order: W competes by template time too (else W only when nothing else runs)
 
 
 _POLICIES = tuple(
@@ -106,8 +108,17 @@ class _ListScheduler:
     one microbatch fits on every rank.
     """
 
-    def __init__(self, stage_to_rank: tuple[int, ...], m: int, costs: StageCosts, caps: list[float], policy: _Policy):
+    def __init__(
+        self,
+        stage_to_rank: tuple[int, ...],
+        m: int,
+        costs: StageCosts,
+        caps: list[float],
+        policy: _Policy,
+        template: tuple[dict[tuple[int, Kind], float], float] | None = None,
+    ):
         self.place, self.m, self.costs, self.caps, self.policy = stage_to_rank, m, costs, caps, policy
+        self.template = template
         self.S = S = len(stage_to_rank)
         self.p = p = max(stage_to_rank) + 1
         self.turn_stage = S // 2
@@ -162,6 +173,8 @@ class _ListScheduler:
                 oldest[r] += 1
 
         def can_run(a: Action) -> bool:
+            if pol.admission == "local":
+                return fits(self.place[a.stage], a)
             if pol.admission == "optimistic":
                 # A hand-off is sent only once its receiver has room: channels are consumed in order, so a
                 # message that could not be taken would block everything queued behind it.
@@ -174,12 +187,25 @@ class _ListScheduler:
                 return a.microbatch == next_turn and room(self.g1)
             return True
 
+        tau_w = pol.order == "tau" and pol.w_in_tau
+        fifo = pol.fifo
+        reserving = pol.admission in ("staged", "full")
+        if pol.order == "tau":
+            assert self.template is not None
+            offsets, period = self.template
+
         def key(a: Action) -> tuple:
             k = a.kind
+            if pol.order == "tau":
+                return (offsets[(a.stage, k)] + a.microbatch * period, a.microbatch)
             if pol.order == "bfw":
                 cls = 0 if k is Kind.B else 1
-            else:
+            elif pol.order == "fbw":
                 cls = 0 if k is Kind.F else 1
+            elif pol.order == "f1bf0w":
+                cls = 1 if k is Kind.B else (0 if a.stage >= self.turn_stage else 2)
+            else:  # "bf1f0w"
+                cls = 0 if k is Kind.B else (1 if a.stage >= self.turn_stage else 2)
             return (cls, a.microbatch, -a.stage if k is Kind.F else a.stage)
 
         while n_done < total:
@@ -189,27 +215,36 @@ class _ListScheduler:
                 cands: list[tuple[tuple, Action, object]] = []
                 for ch in inbox[r]:
                     q = channels[ch]
-                    if q and q[0][1] <= t + _EPS and can_run(q[0][0]):
-                        cands.append((key(q[0][0]), q[0][0], ch))
+                    if not fifo:
+                        for j, (msg, arrival) in enumerate(q):
+                            if arrival <= t + _EPS and can_run(msg):
+                                cands.append((key(msg), msg, (ch, j)))
+                    elif q and q[0][1] <= t + _EPS and can_run(q[0][0]):
+                        cands.append((key(q[0][0]), q[0][0], (ch, 0)))
                 for i, a in enumerate(local[r]):
                     if can_run(a):
                         cands.append((key(a), a, i))
+                if tau_w:
+                    for i, a in enumerate(pending_w[r]):
+                        cands.append((key(a), a, -1 - i))
                 if r == entry_rank and next_new < m:
                     paced = pol.pace and t + _EPS < (next_new - self.burst) * pol.pace * self.period
                     need = [x + y for x, y in zip(self.g0, self.g1)]
-                    admit = can_run(Action(0, Kind.F, next_new)) if pol.admission == "optimistic" else room(need)
+                    admit = can_run(Action(0, Kind.F, next_new)) if not reserving else room(need)
                     if not paced and admit:
                         a = Action(0, Kind.F, next_new)
                         cands.append((key(a), a, None))
                 if cands:
                     _, act, src = min(cands, key=lambda c: c[0])
                     if isinstance(src, tuple):
-                        channels[src].popleft()
+                        del channels[src[0]][src[1]]
+                    elif isinstance(src, int) and src < 0:
+                        pending_w[r].pop(-1 - src)
                     elif isinstance(src, int):
                         local[r].pop(src)
                     else:
                         next_new += 1
-                        if pol.admission != "optimistic":
+                        if reserving:
                             grab = self.g0 if pol.admission == "staged" else need
                             for q in range(p):
                                 reserved[q] += grab[q]
@@ -232,7 +267,7 @@ class _ListScheduler:
                 d = self.delta[act.kind][act.stage]
                 mem[r] += d
                 if d > 0:
-                    if pol.admission != "optimistic":
+                    if reserving:
                         reserved[r] -= d
                     elif act in prepaid:
                         prepaid.discard(act)
@@ -264,7 +299,7 @@ class _ListScheduler:
             while events and events[0] <= t + _EPS:
                 heapq.heappop(events)
             if not events:
-                if pol.admission == "optimistic":
+                if not reserving:
                     return None
                 raise RuntimeError(f"V list scheduler stuck at t={t} with {total - n_done} actions left; this is a bug")
             t = heapq.heappop(events)
@@ -280,6 +315,57 @@ class _ListScheduler:
         if a.kind is Kind.B and a.stage > 0:
             return Action(a.stage - 1, Kind.B, a.microbatch)
         return None
+
+
+def _circular_slot(busy: list[tuple[float, float]], ready: float, dur: float, period: float) -> float | None:
+    """Earliest start >= ``ready`` whose interval ``[t, t + dur)`` modulo ``period`` misses every busy one."""
+    cands = [ready] + [ready + (a + d - ready) % period for a, d in busy]
+    for t in sorted(cands):
+        if all((t - a) % period >= d - _EPS and (a - t) % period >= dur - _EPS for a, d in busy):
+            return t
+    return None
+
+
+def modulo_template(
+    stage_to_rank: tuple[int, ...], costs: StageCosts, period: float, w_delay: float = 0.0
+) -> dict[tuple[int, Kind], float] | None:
+    """One microbatch's start offsets such that repeating them every ``period`` never overlaps on a rank.
+
+    Modulo scheduling of the building block: F of stages 0..S-1, then B of S-1..0, each as early as its dependency
+    (plus T_comm across ranks) and the rank's free time modulo ``period`` allow; then each W as early as possible
+    at least ``w_delay`` after its B.  ``None`` if some action finds no free slot.
+    """
+    S = len(stage_to_rank)
+    p = max(stage_to_rank) + 1
+    busy: list[list[tuple[float, float]]] = [[] for _ in range(p)]
+    off: dict[tuple[int, Kind], float] = {}
+    end: dict[tuple[int, Kind], float] = {}
+    dur = {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}
+
+    def place(s: int, k: Kind, ready: float) -> bool:
+        r = stage_to_rank[s]
+        d = dur[k][s]
+        t = _circular_slot(busy[r], ready, d, period)
+        if t is None:
+            return False
+        busy[r].append((t % period, d))
+        off[(s, k)], end[(s, k)] = t, t + d
+        return True
+
+    def hop(src: int, dst: int) -> float:
+        return costs.comm if stage_to_rank[src] != stage_to_rank[dst] else 0.0
+
+    for s in range(S):
+        if not place(s, Kind.F, end[(s - 1, Kind.F)] + hop(s - 1, s) if s else 0.0):
+            return None
+    for s in range(S - 1, -1, -1):
+        ready = end[(s, Kind.F)] if s == S - 1 else max(end[(s, Kind.F)], end[(s + 1, Kind.B)] + hop(s + 1, s))
+        if not place(s, Kind.B, ready):
+            return None
+    for s in sorted(range(S), key=lambda x: end[(x, Kind.B)]):
+        if not place(s, Kind.W, end[(s, Kind.B)] + w_delay):
+            return None
+    return off
 
 
 def plan_list_schedule(

@@ -105,7 +105,11 @@ class StageArrays:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The plan the search chose, its simulated makespan, the variant that made it, and how many passes ran."""
+    """The plan the search chose, its makespan, the variant that made it, and how many passes ran.
+
+    ``makespan`` is the pass's own timing, which keeps the waits the policy chose; ``simulate`` starts every
+    action as soon as possible and so reports the same or (rarely, seen at p = 16) a slightly smaller value.
+    """
 
     schedule: Schedule
     makespan: float
