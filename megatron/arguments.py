@@ -30,9 +30,10 @@ from megatron.config.optimizer import OptimizerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
+from megatron.pipeline.schedule_flags import ScheduleConfig, schedule_flag_specs
 
-# Flip to True when the pipeline runtime (issue 7) drives pp > 1 in training.py.
-PIPELINE_RUNTIME_READY = False
+# The pipeline runtime (megatron.pipeline over zb_pipeline.runtime) drives pp > 1 in training.py.
+PIPELINE_RUNTIME_READY = True
 
 # Megatron-LM flags accepted for compatibility but without effect here: flag -> (takes a value?, why it is ignored).
 KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
@@ -278,6 +279,10 @@ def build_parser() -> tuple[_OneLineParser, _FlagTable]:
     t.add(g, "--wandb-project", default=None, help="log to this Weights & Biases project (if wandb is installed)")
     t.add(g, "--wandb-exp-name", default=None, help="Weights & Biases run name")
 
+    g = parser.add_argument_group("pipeline schedule (megatron.pipeline.schedule_flags: flags and fork-flag mapping)")
+    for flag, spec in schedule_flag_specs():
+        t.add(g, flag, **spec)
+
     g = parser.add_argument_group("ignored Megatron-LM flags (accepted with a warning)")
     for flag, (takes_value, _why) in KNOWN_IGNORED_FLAGS.items():
         g.add_argument(
@@ -335,6 +340,7 @@ class RunConfig:
     num_microbatches: int
     global_batch_size: int
     ignored_flags: tuple[str, ...] = ()
+    pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)  # the pipeline schedule (used when pp > 1)
 
     def ignored_flag_warnings(self) -> list[str]:
         return [f"warning: {f} is ignored here ({KNOWN_IGNORED_FLAGS[f][1]})" for f in self.ignored_flags]
@@ -554,10 +560,15 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         wandb_project=v["wandb_project"],
         wandb_exp_name=v["wandb_exp_name"],
     )
-    if pp > 1 and not PIPELINE_RUNTIME_READY:
-        raise ConfigError(
-            f"--pipeline-model-parallel-size={pp}: pipeline parallelism is not available yet in the trainer "
-            "(the pipeline runtime is still to land); use --pipeline-model-parallel-size 1"
+    pipeline = ScheduleConfig.from_flags(v)
+    if pp > 1:  # generate the plan once now: a shape it cannot serve exits 2 before any rank communicates
+        pipeline.check_shape(
+            pp=pp,
+            num_microbatches=num_microbatches,
+            num_layers=model.num_layers,
+            first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+            last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+            allow_padding=parallel.allow_padding_num_layers,
         )
     return RunConfig(
         model=model,
@@ -574,4 +585,5 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         num_microbatches=num_microbatches,
         global_batch_size=training.resolved_global_batch_size(dp),
         ignored_flags=ignored,
+        pipeline=pipeline,
     )

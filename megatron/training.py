@@ -71,6 +71,7 @@ class Trainer:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
+    pipeline: Any = None  # megatron.pipeline.GPTPipeline when pp > 1 (then ``model`` is this rank's stages)
 
     @property
     def consumed_train_samples(self) -> int:
@@ -166,10 +167,16 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
     seed = run.training.seed
     torch.manual_seed(seed + 100 * ctx.pp_rank)  # dropout; parameters come from (seed, global name)
     model_config = GPTConfig.from_object(run.model)
-    model = build_gpt_model(model_config, tp=ctx, sequence_parallel=run.parallel.sequence_parallel, seed=seed)
-    model = model.to(device=ctx.device, dtype=run.precision.params_dtype)
+    pipeline = build_trainer_pipeline(run, ctx, model_config) if ctx.pp_size > 1 else None
+    if pipeline is not None:
+        model = pipeline.model  # this rank's stages (PipelineModel), already on the device in params_dtype
+    else:
+        model = build_gpt_model(model_config, tp=ctx, sequence_parallel=run.parallel.sequence_parallel, seed=seed)
+        model = model.to(device=ctx.device, dtype=run.precision.params_dtype)
     optimizer = build_optimizer(run, ctx, model)
     reducer = optimizer.reducer
+    if pipeline is not None:
+        attach_reducer(pipeline, reducer)
     scheduler = LRScheduler(run.lr_schedule, train_iters=run.training.train_iters)
     if train_data is None:
         train_data, valid_data = build_datasets(run, ctx)
@@ -183,6 +190,7 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         scheduler=scheduler,
         train_data=train_data,
         valid_data=valid_data,
+        pipeline=pipeline,
     )
 
 
@@ -243,12 +251,12 @@ def forward_backward(tr: Trainer) -> float:
     tr.model.train()
     tr.reducer.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    scale = tr.optimizer.loss_scale / m
+    scale = tr.optimizer.loss_scale  # 1 for bf16/fp32: loss * 1 / m is exactly loss / m
     for k in range(m):
         batch = _load(tr.train_data, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device)
         tr.reducer.prepare_microbatch(is_last=k == m - 1)
         loss = _microbatch_loss(tr.model, batch)
-        (loss * scale).backward()
+        (loss * scale / m).backward()
         total += loss.detach().double()
     tr.reducer.finish()
     if run.parallel.sequence_parallel:

@@ -146,6 +146,7 @@ def test_truncated_file_is_refused(saved, tmp_path):
         _in_process([*BASE, "--load", str(ckpt)])
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_pickled_code_is_refused_and_never_runs(saved, tmp_path):
     ckpt = _copy(saved, tmp_path)
     marker = tmp_path / "pwned"

@@ -60,12 +60,19 @@ def test_driver_runs_past_failures_and_writes_the_index(tmp_path, monkeypatch):
     assert "done" in (out / "logs" / "ok.log").read_text()
 
 
-def test_only_and_all_ok(tmp_path, monkeypatch):
+def test_only_and_skipped(tmp_path, monkeypatch):
     out = tmp_path / "results"
-    benches = [rb.Benchmark("ok", _script(tmp_path, "ok.py", OK_SCRIPT), "writes a result")]
+    nocuda = _script(tmp_path, "nocuda.py", "print('x: no CUDA device available; nothing to check.')")
+    benches = [
+        rb.Benchmark("ok", _script(tmp_path, "ok.py", OK_SCRIPT), "writes a result"),
+        rb.Benchmark("gpu", nocuda, "needs a GPU", skipped_marker="no CUDA device available"),
+        rb.Benchmark("fail", _script(tmp_path, "fail.py", FAIL_SCRIPT), "exits 3"),
+    ]
     monkeypatch.setattr(rb, "BENCHMARKS", benches)
-    assert rb.main(["--out", str(out), "--only", "ok"]) == 0
+    assert rb.main(["--out", str(out), "--only", "ok", "gpu"]) == 0  # a skip is not a failure
     assert (out / "fake.md").read_text() == "full"
+    assert "skipped (no CUDA device available)" in (out / "README.md").read_text()
+    assert "exits 3" not in (out / "README.md").read_text()
 
 
 def test_flags_come_from_help(tmp_path):

@@ -106,7 +106,7 @@ def _flags(*argv: str) -> ScheduleConfig:
 
 
 def test_schedule_flags_map_the_reference_forks_flags(tmp_path) -> None:
-    assert _flags().schedule == "1f1b"
+    assert _flags().schedule == "zb-h1"
     assert _flags("--pipeline-schedule", "zb-h2").schedule == "zb-h2"
     assert _flags("--enable-zero-bubble").schedule == "zb-auto"
     assert _flags("--zero-bubble-v-schedule").schedule == "zb-v"

@@ -20,7 +20,8 @@ add when they share a rank as with V placement), so the two copies stay equal af
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +38,37 @@ from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.trace import Tracer, gather_trace
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore
-from zb_pipeline.schedule.ir import Schedule
-from zb_pipeline.schedule.lowering import LoweredSchedule
+from zb_pipeline.schedule.ir import Action, F, Kind, Schedule
+from zb_pipeline.schedule.lowering import LoweredSchedule, lower
+from zb_pipeline.schedule.plan_file import plan_to_dict
 from zb_pipeline.schedule.validate import ScheduleError, validate
+
+PLAN_KEY = "zbPlan"  # the trace document's copy of the plan (plan-file form)
+
+
+class PipelineModel(torch.nn.ModuleList):
+    """This rank's stages in increasing order, named like the whole model (``global_name``) for the optimizer and
+    checkpoints: ``"1.layers.0.mlp.fc1.weight"`` -> ``"layers.6.mlp.fc1.weight"``.
+
+    The one name clash -- a rank holding both tied copies of the word embedding as separate tensors (V placement) --
+    is resolved by naming the output head's copy ``TIED_OUTPUT_COPY``; a copy on another rank keeps the embedding's
+    name, so it is initialised identically and checkpoints key it like the pp = 1 model.
+    """
+
+    def __init__(self, stages: Sequence[GPTStage]) -> None:
+        super().__init__(stages)
+        self._has_embedding = any(st.embedding is not None for st in stages)
+
+    def global_name(self, local_name: str) -> str:
+        index, _, rest = local_name.partition(".")
+        stage = self[int(index)]
+        name = stage.global_name(rest)
+        if name == WORD_EMBEDDING and rest == "output_layer.weight" and self._has_embedding:
+            return TIED_OUTPUT_COPY
+        return name
+
+
+TIED_OUTPUT_COPY = "output_layer.weight.tied_copy"
 
 
 @dataclass
@@ -51,10 +80,16 @@ class GPTPipeline:
     lowered: LoweredSchedule
     stages: dict[int, GPTStage]
     executor: PipelineExecutor
-    model: torch.nn.ModuleList  # this rank's stages in increasing order (for the reducer, optimizer, checkpoints)
+    model: PipelineModel  # this rank's stages in increasing order (for the reducer, optimizer, checkpoints)
     tracer: Tracer | None = None
     emulator: EmulatedCompute | None = None
+    # Multiplies each microbatch's loss before backward (with the 1/m of the mean): the fp16 loss scale.
+    loss_scale: float = 1.0
+    # Called with a virtual stage once its last W (or BW) of the iteration has run: its weight gradients are final.
+    on_stage_grads_final: Callable[[int], None] | None = None
     _batches: Sequence[Mapping[str, torch.Tensor]] = field(default=(), repr=False)
+    _backward_done: dict[int, int] = field(default_factory=dict, repr=False)
+    _forward_only: PipelineExecutor | None = field(default=None, repr=False)
 
     @property
     def holds_first_stage(self) -> bool:
@@ -75,6 +110,7 @@ class GPTPipeline:
         if len(batches) != m:
             raise ValueError(f"got {len(batches)} microbatches, the plan has m={m}")
         self._batches = batches
+        self._backward_done = dict.fromkeys(self.stages, 0)
         try:
             losses = self.executor.run(iteration)
         finally:
@@ -90,11 +126,46 @@ class GPTPipeline:
             dist.all_reduce(total, group=self.ctx.pp_group)
         return total
 
+    def _weight_grads_done(self, stage: int) -> None:
+        """After every W/BW: once a stage has run all ``m`` of them its gradients are final for the iteration."""
+        done = self._backward_done[stage] + 1
+        self._backward_done[stage] = done
+        if done == self.schedule.num_microbatches and self.on_stage_grads_final is not None:
+            self.on_stage_grads_final(stage)
+
+    @torch.no_grad()
+    def forward_only(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
+        """Evaluation: the float64 sum of the microbatch losses (on every pipeline rank), forward passes only.
+
+        Runs a forward-only plan (every rank's F actions in microbatch order, lowered like any plan, so P2P keeps
+        the strict order and its timeouts) through a second executor that shares this one's stages and store.
+        """
+        m = self.schedule.num_microbatches
+        if len(batches) != m:
+            raise ValueError(f"got {len(batches)} microbatches, the plan has m={m}")
+        if self._forward_only is None:
+            self._forward_only = _forward_only_executor(self)
+        self._batches = batches
+        try:
+            losses = self._forward_only.run()
+        finally:
+            self._batches = ()
+        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
+        for loss in losses:
+            total += loss.double()
+        if self.ctx.pp_group is not None:
+            dist.all_reduce(total, group=self.ctx.pp_group)
+        return total
+
     def write_trace(self, path: str | None) -> None:
         """Gather every pipeline rank's trace on the pipeline's first rank, which writes ``path``."""
         if self.tracer is not None:
             dst = self.ctx.pp_ranks[0] if self.ctx.pp_group is not None else self.ctx.rank
-            gather_trace(self.tracer, path, group=self.ctx.pp_group, dst=dst)
+            doc = gather_trace(self.tracer, None, group=self.ctx.pp_group, dst=dst)
+            if doc is not None and path is not None:
+                doc[PLAN_KEY] = plan_to_dict(self.schedule)  # so `zb-schedule show --trace` can draw the plan too
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(doc, f)
 
     # -- tied embeddings --------------------------------------------------------------------------------------
     def tied_embedding_params(self) -> list[torch.nn.Parameter]:
@@ -176,7 +247,7 @@ def build_gpt_pipeline(
         last=last_stage_layers,
         allow_padding=allow_padding,
     )
-    stages = {s: mod.to(device=ctx.device) for s, mod in zip(mine, modules)}
+    stages = {s: mod.to(device=ctx.device, dtype=dtype) for s, mod in zip(mine, modules)}
     seq = model_config.seq_length // (ctx.tp_size if sequence_parallel else 1)
     specs = [TensorSpec((seq, micro_batch_size, model_config.hidden_size), dtype)] * (S - 1)
     tracer = Tracer(ctx.rank) if schedule_config.trace_path else None
@@ -203,7 +274,8 @@ def build_gpt_pipeline(
     def loss_fn(per_token: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         mask = pipe_box[0]._batches[mb]["loss_mask"]
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-        return loss / num_microbatches, loss
+        # The pp = 1 loop backpropagates loss * scale / m: the same expression gives the same gradients bit for bit.
+        return loss * pipe_box[0].loss_scale / num_microbatches, loss
 
     executor = PipelineExecutor(
         lowered,
@@ -224,12 +296,79 @@ def build_gpt_pipeline(
             raise ConfigError(str(err)) from None
         emulator = EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs)
         emulator.install(executor)
+    for kind in (Kind.W, Kind.BW):
+        executor.handlers[kind] = _counting(executor.handlers[kind], pipe_box)
     if tracer is not None:
         tracer.align(ctx.pp_group)
-    model = torch.nn.ModuleList([stages[s] for s in sorted(stages)])
+    model = PipelineModel([stages[s] for s in sorted(stages)])
     pipe = GPTPipeline(ctx, schedule, lowered, stages, executor, model, tracer, emulator)
     pipe_box.append(pipe)
     return pipe
+
+
+def _counting(inner: Callable[[PipelineExecutor, Action], Any], pipe_box: list[GPTPipeline]):
+    """Wrap a W/BW handler so the pipeline learns when a stage's weight gradients are final."""
+
+    def handler(ex: PipelineExecutor, a: Action) -> None:
+        inner(ex, a)
+        pipe_box[0]._weight_grads_done(a.stage)
+
+    return handler
+
+
+def forward_only_plan(schedule: Schedule) -> Schedule:
+    """The same stages and placement, F actions only: each rank runs its forwards in (microbatch, stage) order,
+    which is a topological order of the forward dependencies, so the plan cannot deadlock."""
+    ranks = []
+    for r in range(schedule.num_ranks):
+        fs = [F(s, mb) for mb in range(schedule.num_microbatches) for s in schedule.stages_of(r)]
+        ranks.append(tuple(fs))
+    return Schedule(
+        name=f"{schedule.name}/forward-only",
+        num_ranks=schedule.num_ranks,
+        num_stages=schedule.num_stages,
+        num_microbatches=schedule.num_microbatches,
+        stage_to_rank=schedule.stage_to_rank,
+        ranks=tuple(ranks),
+    )
+
+
+def _forward_only_handler(ex: PipelineExecutor, a: Action) -> None:
+    s, mb = a.stage, a.microbatch
+    out = ex.forward_fn(ex.stages[s], ex.fetch_input(a), s, mb)
+    if s == ex.num_stages - 1:
+        got = ex.loss_fn(out, mb)
+        ex.losses[mb] = (got[1] if isinstance(got, tuple) else got).detach()
+    else:
+        ex.deliver_output(a, out)
+
+
+def _forward_only_executor(pipe: GPTPipeline) -> PipelineExecutor:
+    main, train_p2p = pipe.executor, pipe.executor.p2p
+    lowered = lower(forward_only_plan(pipe.schedule))
+    p2p = None
+    if train_p2p is not None:
+        p2p = PipelineP2P(
+            pp_rank=train_p2p.pp_rank,
+            boundary_specs=train_p2p.specs,
+            group=train_p2p.group,
+            pp_ranks=train_p2p.pp_ranks,
+            device=train_p2p.device,
+            timeout_s=train_p2p.timeout_s,
+            check=train_p2p.check,
+        )
+    ex = PipelineExecutor(
+        lowered,
+        main.rank,
+        pipe.stages,
+        p2p=p2p,
+        store=main.store,  # binding the stages to another store would divert training's deferred W work
+        input_fn=main.input_fn,
+        loss_fn=main.loss_fn,
+        forward_fn=main.forward_fn,
+    )
+    ex.handlers[Kind.F] = _forward_only_handler
+    return ex
 
 
 def word_embedding_name() -> str:

@@ -23,7 +23,12 @@ The reference fork's flags, so its users' scripts run unchanged:
     --enable-optimizer-post-validation        accepted and stored
 
 An explicit ``--pipeline-schedule`` that contradicts a fork flag is an error (one line naming both).  Without any
-flag the schedule is ``1f1b`` (``interleaved-1f1b`` when --num-layers-per-virtual-pipeline-stage is given).
+flag the schedule is ``zb-h1`` (``interleaved-1f1b`` when --num-layers-per-virtual-pipeline-stage is given): it has
+1F1B's peak activation memory (p microbatches on the first rank), the same losses bit for bit (weight gradients still
+accumulate in microbatch order), and a bubble of about a third of 1F1B's -- there is no case where 1F1B is the better
+default.  Every built-in schedule serves m < p (a short iteration simply has a larger bubble); a shape a plan cannot
+serve (a plan file for another p or m, a chunk count the schedule does not support, layers that do not split over the
+virtual stages, a memory limit below one microbatch) is a ``ConfigError`` at start-up, before any communication.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ PIPELINE_SCHEDULES: tuple[str, ...] = (
     "v-min",
     "interleaved-zb",
 )
+DEFAULT_SCHEDULE = "zb-h1"
 V_SCHEDULES = ("zb-v", "v-half", "v-min")
 MULTI_CHUNK_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
 V_MEM_SETUP = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
@@ -56,7 +62,7 @@ V_MEM_SETUP = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
 class ScheduleConfig:
     """Which plan the pipeline runs and how the runtime executes it."""
 
-    schedule: str = "1f1b"
+    schedule: str = "zb-h1"
     schedule_file: str | None = None
     num_layers_per_virtual_stage: int | None = None
     mem_limit: float | None = None  # zb-auto: per rank, in microbatches' activations
@@ -83,7 +89,9 @@ class ScheduleConfig:
 
     # -- shape ----------------------------------------------------------------------------------------------
     def chunks(self, *, num_layers: int, pp: int) -> int:
-        """Virtual stages per rank for this schedule on ``pp`` ranks."""
+        """Virtual stages per rank for this schedule on ``pp`` ranks (a plan file's own count)."""
+        if self.schedule_file is not None:
+            return self._load_file().chunks
         if self.schedule in V_SCHEDULES:
             per = self.num_layers_per_virtual_stage
             if per is not None:
@@ -103,24 +111,54 @@ class ScheduleConfig:
         )
         return num_layers // (pp * per)
 
+    def placement(self) -> str:
+        """``"v"`` or ``"loop"``: where the virtual stages live (a plan file says it itself)."""
+        if self.schedule_file is not None:
+            return self._load_file().placement
+        return "v" if self.schedule in V_SCHEDULES else "loop"
+
+    def _load_file(self):
+        from zb_pipeline.schedule.plan_file import load_plan
+
+        try:
+            return load_plan(self.schedule_file)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"--schedule-file {self.schedule_file}: {str(err).splitlines()[0]}") from None
+
+    def check_shape(
+        self,
+        *,
+        pp: int,
+        num_microbatches: int,
+        num_layers: int,
+        first_stage_layers: int | None = None,
+        last_stage_layers: int | None = None,
+        allow_padding: bool = False,
+    ) -> Any:
+        """Build the plan once and split the layers over its virtual stages: ``ConfigError`` if the run's shape does
+        not fit (called while parsing the flags, so a bad shape exits 2 before any rank starts communicating)."""
+        from megatron.config.parallel import split_layers
+
+        plan = self.build_schedule(pp=pp, num_microbatches=num_microbatches, num_layers=num_layers)
+        split_layers(
+            num_layers, plan.num_stages, first=first_stage_layers, last=last_stage_layers, allow_padding=allow_padding
+        )
+        return plan
+
     # -- the plan ---------------------------------------------------------------------------------------------
     def build_schedule(self, *, pp: int, num_microbatches: int, num_layers: int, costs: Any = None):
         """The ``Schedule`` to run (validated and lowered by the caller); ``ConfigError`` with the fix on bad shapes."""
-        from zb_pipeline.schedule.plan_file import load_plan
         from zb_pipeline.schedule.registry import generate
 
-        chunks = self.chunks(num_layers=num_layers, pp=pp)
         if self.schedule_file is not None:
-            try:
-                plan = load_plan(self.schedule_file)
-            except (OSError, ValueError) as err:
-                raise ConfigError(f"--schedule-file {self.schedule_file}: {str(err).splitlines()[0]}") from None
+            plan = self._load_file()
             require(
                 plan.num_ranks == pp and plan.num_microbatches == num_microbatches,
                 f"--schedule-file {self.schedule_file} is for p={plan.num_ranks}, m={plan.num_microbatches}, but the "
                 f"run has --pipeline-model-parallel-size={pp} and {num_microbatches} microbatches",
             )
             return plan
+        chunks = self.chunks(num_layers=num_layers, pp=pp)
         mem_limit = None if self.schedule in V_SCHEDULES else self.mem_limit
         try:
             return generate(self.schedule, pp, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
@@ -148,7 +186,7 @@ class ScheduleConfig:
         if explicit is not None and implied is not None and explicit != implied:
             raise ConfigError(f"--pipeline-schedule {explicit} contradicts {why}, which means {implied}; drop one")
         per = v.get("num_layers_per_virtual_pipeline_stage")
-        schedule = explicit or implied or ("interleaved-1f1b" if per is not None else "1f1b")
+        schedule = explicit or implied or ("interleaved-1f1b" if per is not None else DEFAULT_SCHEDULE)
 
         pending = v.get("zero_bubble_max_pending_backward")
         mem_limit, auto = None, False
@@ -188,7 +226,7 @@ def _positive_int(text: str) -> int:
 
 # (flag, argparse keyword arguments): the table a flag parser adds (``add_schedule_args`` does it for argparse).
 SCHEDULE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--pipeline-schedule", dict(choices=PIPELINE_SCHEDULES, default=None, help="pipeline schedule (default 1f1b)")),
+    ("--pipeline-schedule", dict(choices=PIPELINE_SCHEDULES, default=None, help="pipeline schedule (default zb-h1)")),
     ("--schedule-file", dict(default=None, help="run this plan file (zb-schedule simulate --export)")),
     ("--num-layers-per-virtual-pipeline-stage", dict(type=_positive_int, default=None, help="layers per chunk")),
     ("--enable-zero-bubble", dict(action="store_true", help="zero-bubble fork flag: zb-auto")),
@@ -204,6 +242,18 @@ SCHEDULE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--emulate-compute", dict(default=None, help="F,B,W[,OPT] ms: sleep instead of computing (real P2P)")),
     ("--pipeline-p2p-check", dict(action="store_true", help="check the strict P2P order at run time (gloo tests)")),
 )
+
+
+def schedule_flag_specs() -> list[tuple[str, dict[str, Any]]]:
+    """``SCHEDULE_FLAGS`` as keyword arguments of the trainer's flag table (``megatron.arguments._FlagTable.add``)."""
+    out = []
+    for flag, kwargs in SCHEDULE_FLAGS:
+        switch = kwargs.get("action") == "store_true"
+        spec: dict[str, Any] = {"help": kwargs["help"], "switch": switch}
+        if not switch:
+            spec.update(type=kwargs.get("type"), default=kwargs.get("default"), choices=kwargs.get("choices"))
+        out.append((flag, spec))
+    return out
 
 
 def add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

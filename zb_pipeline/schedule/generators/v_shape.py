@@ -84,9 +84,12 @@ class _Policy:
 
 
 _POLICIES = tuple(
-    [_Policy("optimistic", o, pace, burst) for o in ("bfw", "fbw") for pace, burst in ((0, 0), (1, 0), (1, 0.5))]
+    [_Policy("local", o, fifo=False) for o in ("bfw", "fbw", "f1bf0w", "bf1f0w")]
+    + [_Policy("optimistic", o, pace, burst) for o in ("bfw", "fbw") for pace, burst in ((0, 0), (1, 0), (1, 0.5))]
     + [_Policy(adm, order) for adm in ("staged", "full") for order in ("bfw", "fbw")]
 )
+# Periods tried for the modulo template, as multiples of the busiest rank's work per microbatch.
+_TEMPLATE_STRETCH = tuple(1.0 + 0.025 * i for i in range(17))
 
 
 @dataclass
@@ -327,7 +330,7 @@ def _circular_slot(busy: list[tuple[float, float]], ready: float, dur: float, pe
 
 
 def modulo_template(
-    stage_to_rank: tuple[int, ...], costs: StageCosts, period: float, w_delay: float = 0.0
+    stage_to_rank: tuple[int, ...], costs: StageCosts, period: float, w_eager: bool
 ) -> dict[tuple[int, Kind], float] | None:
     """One microbatch's start offsets such that repeating them every ``period`` never overlaps on a rank.
 
@@ -362,9 +365,12 @@ def modulo_template(
         ready = end[(s, Kind.F)] if s == S - 1 else max(end[(s, Kind.F)], end[(s + 1, Kind.B)] + hop(s + 1, s))
         if not place(s, Kind.B, ready):
             return None
-    for s in sorted(range(S), key=lambda x: end[(x, Kind.B)]):
-        if not place(s, Kind.W, end[(s, Kind.B)] + w_delay):
+        if w_eager and not place(s, Kind.W, end[(s, Kind.B)]):
             return None
+    if not w_eager:
+        for s in sorted(range(S), key=lambda x: end[(x, Kind.B)]):
+            if not place(s, Kind.W, end[(s, Kind.B)]):
+                return None
     return off
 
 
@@ -373,6 +379,56 @@ def plan_list_schedule(
 ) -> _Plan | None:
     """Run the memory-capped list scheduler once with one policy (``None``: an optimistic variant got stuck)."""
     return _ListScheduler(stage_to_rank, m, costs, caps, policy).run()
+
+
+def _unrolled(stage_to_rank: tuple[int, ...], m: int, offsets: dict[tuple[int, Kind], float], period: float):
+    """Each rank's actions of ``m`` copies of the template (copy k shifted by k x period), sorted by start time."""
+    p = max(stage_to_rank) + 1
+    timed: list[list[tuple[float, int, int, Action]]] = [[] for _ in range(p)]
+    for (s, k), o in offsets.items():
+        dst = timed[stage_to_rank[s]]
+        for mb in range(m):
+            dst.append((o + mb * period, 0 if k is Kind.W else 1, s, Action(s, k, mb)))  # W first on ties
+    return [[a for *_, a in sorted(lst, key=lambda x: x[:3])] for lst in timed]
+
+
+def _order_peaks(ranks: list[list[Action]], costs: StageCosts) -> list[float]:
+    delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
+    peaks = []
+    for acts in ranks:
+        cur = best = 0.0
+        for a in acts:
+            cur += delta[a.kind][a.stage]
+            best = max(best, cur)
+        peaks.append(best)
+    return peaks
+
+
+def template_plans(p: int, m: int, costs: StageCosts, caps: list[float], keep: int = 2) -> list[list[list[Action]]]:
+    """Orders from the repeated modulo template (the papers' building block), shortest periods that fit the caps.
+
+    The template for one microbatch (``modulo_template``) is repeated every ``period``; each rank runs its actions
+    in start-time order, so its memory is exactly the template's overlap of lifespans, and the simulator then
+    squeezes the timing.  Periods from the busiest rank's work per microbatch upwards (``_TEMPLATE_STRETCH``);
+    the first ``keep`` (period, W mode) settings whose every rank peak is within its cap are returned.
+    """
+    place = v_placement(p, 2)
+    base = max(
+        sum(costs.f[s] + costs.b[s] + costs.w[s] for s in range(2 * p) if place[s] == r) for r in range(p)
+    )
+    out = []
+    for stretch in _TEMPLATE_STRETCH:
+        for eager in (False, True):
+            period = base * stretch
+            offsets = modulo_template(place, costs, period, eager)
+            if offsets is None:
+                continue
+            ranks = _unrolled(place, m, offsets, period)
+            if all(pk <= cap + _EPS for pk, cap in zip(_order_peaks(ranks, costs), caps)):
+                out.append(ranks)
+                if len(out) >= keep:
+                    return out
+    return out
 
 
 def plan_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
@@ -388,6 +444,9 @@ def plan_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float
         if plan is not None:
             sched = Schedule(name, p, 2 * p, m, place, plan.ranks)
             out.append((simulate(sched, costs).makespan, sched))
+    for ranks in template_plans(p, m, costs, caps):
+        sched = Schedule(name, p, 2 * p, m, place, ranks)
+        out.append((simulate(sched, costs).makespan, sched))
     return out
 
 

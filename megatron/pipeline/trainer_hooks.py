@@ -1,0 +1,158 @@
+"""What ``megatron.training`` calls when ``--pipeline-model-parallel-size`` > 1: build, step, evaluate, trace.
+
+The pp = 1 path of the trainer is untouched; with pp > 1 it calls, in this order:
+
+    ParallelContext.initialize(..., **context_layout(run))    # embedding group follows the plan's placement
+    pipe = build_trainer_pipeline(run, ctx, model_config)     # plan generated, validated, lowered; stages built
+    ... model = pipe.model; optimizer/reducer built over it as for pp = 1 ...
+    attach_reducer(pipe, reducer)                             # buckets launch after each stage's last W
+    loss = pipeline_forward_backward(tr)                      # one iteration (instead of the microbatch loop)
+    loss = pipeline_evaluate(tr)                              # a forward-only plan through the same stages
+    write_pipeline_trace(tr)                                  # --pipeline-trace, at the end of the run
+
+Gradient reduction and tied embeddings, in the order that keeps every optimizer exact:
+
+1. ``reducer.prepare_microbatch(is_last=False)`` once: the reducer's contribution counting never declares a
+   gradient final on its own (it cannot know that the tied copies still need their sum).
+2. During the plan, after a stage's m-th W (or BW) its parameters are final: ``mark_grad_ready`` for each of them
+   except the tied word-embedding copies, so a data-parallel bucket launches as soon as its last stage finished --
+   overlapping the reduction with the other stages' remaining work.
+3. After the plan, ``GPTPipeline.forward_backward`` sums the two tied copies' gradients (an all-reduce over the
+   embedding group, or a local add when V placement puts both on one rank).  Their buckets cannot have launched
+   yet, so the sum happens *before* the data-parallel reduction -- required for the distributed optimizer, whose
+   reduce-scatter leaves only a shard of each bucket valid, and the two copies live in differently laid-out
+   buffers on different ranks.
+4. ``reducer.finish()`` launches the rest (the tied copies' buckets) and waits; sequence-parallel grads are summed.
+
+The global grad norm counts the tied copy once, as Megatron does: the output head's copy is tagged
+``shared_embedding`` and ``megatron.optimizer.grad_norm.owns_grad`` skips it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron.model.config import GPTConfig
+from megatron.parallel.context import ParallelContext
+from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
+
+if TYPE_CHECKING:
+    from megatron.arguments import RunConfig
+    from megatron.parallel.data_parallel import DataParallelReducer
+    from megatron.training import Trainer
+
+
+def context_layout(run: RunConfig) -> dict[str, Any]:
+    """``chunks``/``placement`` keyword arguments of ``ParallelContext.initialize`` for this run's plan."""
+    if run.parallel.pp_size == 1:
+        return {}
+    pipe = run.pipeline
+    chunks = pipe.chunks(num_layers=run.model.num_layers, pp=run.parallel.pp_size)
+    return {"chunks": chunks, "placement": pipe.placement()}
+
+
+def build_trainer_pipeline(run: RunConfig, ctx: ParallelContext, model_config: GPTConfig) -> GPTPipeline:
+    """This rank's stages and executor for ``run`` (parameters from ``(seed, global name)`` like pp = 1)."""
+    return build_gpt_pipeline(
+        ctx,
+        model_config,
+        run.pipeline,
+        num_microbatches=run.num_microbatches,
+        micro_batch_size=run.training.micro_batch_size,
+        sequence_parallel=run.parallel.sequence_parallel,
+        seed=run.training.seed,
+        first_stage_layers=run.parallel.decoder_first_pipeline_num_layers,
+        last_stage_layers=run.parallel.decoder_last_pipeline_num_layers,
+        allow_padding=run.parallel.allow_padding_num_layers,
+        dtype=run.precision.params_dtype,
+    )
+
+
+def attach_reducer(pipe: GPTPipeline, reducer: DataParallelReducer) -> None:
+    """Launch a stage's data-parallel buckets once its last W has run (step 2 of the module docstring)."""
+    tied = {id(p) for p in pipe.tied_embedding_params()}
+    per_stage = {
+        s: [p for p in stage.parameters() if p.requires_grad and id(p) not in tied] for s, stage in pipe.stages.items()
+    }
+
+    def ready(stage: int) -> None:
+        for p in per_stage[stage]:
+            reducer.mark_grad_ready(p)
+
+    pipe.on_stage_grads_final = ready
+
+
+def _batches(tr: Trainer, dataset: Any, base: int) -> list[dict[str, torch.Tensor]]:
+    """This data-parallel rank's m microbatches starting at global sample ``base`` (only where a stage reads them)."""
+    from megatron.training import _load, microbatch_indices
+
+    run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
+    if not (pipe.holds_first_stage or pipe.holds_last_stage):
+        return [{} for _ in range(run.num_microbatches)]
+    return [
+        _load(dataset, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device) for k in range(run.num_microbatches)
+    ]
+
+
+def pipeline_forward_backward(tr: Trainer) -> float:
+    """One iteration through the plan; returns the global-batch mean loss (as the pp = 1 loop does)."""
+    from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
+    from megatron.training import _mean_over_dp
+
+    run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
+    batches = _batches(tr, tr.train_data, tr.iteration * run.global_batch_size)
+    tr.model.train()
+    tr.reducer.zero_grad()
+    pipe.loss_scale = tr.optimizer.loss_scale
+    tr.reducer.prepare_microbatch(is_last=False)  # readiness comes from the plan, not from counting
+    total = pipe.forward_backward(batches, iteration=tr.iteration)  # sums the tied copies before their buckets go
+    tr.reducer.finish()
+    if run.parallel.sequence_parallel:
+        allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
+    return _mean_over_dp(total, run.num_microbatches, ctx)
+
+
+@torch.no_grad()
+def pipeline_evaluate(tr: Trainer) -> float:
+    """Mean validation loss over ``--eval-iters`` global batches, forward-only through the pipeline."""
+    from megatron.training import _mean_over_dp
+
+    run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
+    tr.model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=ctx.device)
+    for _ in range(run.training.eval_iters):
+        total += pipe.forward_only(_batches(tr, tr.valid_data, tr.consumed_valid_samples))
+        tr.consumed_valid_samples += run.global_batch_size
+    tr.model.train()
+    return _mean_over_dp(total, run.num_microbatches * run.training.eval_iters, ctx)
+
+
+def write_pipeline_trace(tr: Trainer, log: Any = print) -> None:
+    """``--pipeline-trace``: gather every pipeline rank's trace; the first pipeline rank of dp replica 0 writes it.
+
+    Collective over each pipeline group, so every rank calls it.  With dp > 1 each replica gathers its own; only
+    data-parallel rank 0's is written (the replicas run the same plan).
+    """
+    pipe, path = tr.pipeline, tr.run.pipeline.trace_path
+    if pipe is None or path is None:
+        return
+    pipe.write_trace(path if tr.ctx.dp_rank == 0 else None)
+    if tr.ctx.dp_rank == 0 and tr.ctx.pp_rank == 0 and tr.ctx.tp_rank == 0:
+        log(f"wrote the pipeline trace {path} (draw it: zb-schedule show --trace {path} --png trace.png)")
+
+
+def pipeline_summary(run: RunConfig, pipe: GPTPipeline | None) -> dict[str, str]:
+    """Start-up summary lines for the pipeline (empty for pp = 1)."""
+    if pipe is None:
+        return {}
+    s = pipe.schedule
+    what = f"{s.name} from {run.pipeline.schedule_file}" if run.pipeline.schedule_file else s.name
+    line = f"{what}: p={s.num_ranks}, m={s.num_microbatches}, {s.chunks} chunk(s) per rank ({s.placement} placement)"
+    out = {"pipeline schedule": line}
+    if run.pipeline.emulate_compute:
+        out["emulated compute"] = f"F,B,W[,OPT] = {run.pipeline.emulate_compute} ms (losses are 0)"
+    if run.pipeline.trace_path:
+        out["pipeline trace"] = run.pipeline.trace_path
+    return out
