@@ -49,6 +49,15 @@ from megatron.optimizer import DistributedOptimizer, GradStats, LRScheduler, Mai
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.data_parallel import DataParallelReducer
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
+from megatron.pipeline.trainer_hooks import (
+    attach_reducer,
+    build_trainer_pipeline,
+    context_layout,
+    pipeline_evaluate,
+    pipeline_forward_backward,
+    pipeline_summary,
+    write_pipeline_trace,
+)
 from megatron.signal_handler import ExitSignalHandler
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
 
@@ -245,6 +254,8 @@ def forward_backward(tr: Trainer) -> float:
     Afterwards every ``main_grad`` holds the gradient of the mean loss over the whole global batch (reduced over
     data-parallel ranks, sequence-parallel parts summed over the tensor-parallel group).
     """
+    if tr.pipeline is not None:  # pp > 1: the plan runs the microbatches (megatron.pipeline.trainer_hooks)
+        return pipeline_forward_backward(tr)
     run, ctx = tr.run, tr.ctx
     m = run.num_microbatches
     base = tr.iteration * run.global_batch_size
@@ -305,6 +316,8 @@ def train_step(tr: Trainer) -> StepResult:
 @torch.no_grad()
 def evaluate(tr: Trainer) -> float:
     """Mean validation loss over ``--eval-iters`` global batches (continuing through the validation split)."""
+    if tr.pipeline is not None:
+        return pipeline_evaluate(tr)
     run, ctx = tr.run, tr.ctx
     m = run.num_microbatches
     tr.model.eval()
@@ -340,6 +353,7 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
         tp=run.parallel.tp_size,
         pp=run.parallel.pp_size,
         timeout=timedelta(seconds=run.parallel.distributed_timeout_s),
+        **context_layout(run),
     )
     try:
         return _pretrain(run, ctx, stream)
@@ -388,6 +402,7 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
             "model FLOPs per iteration": f"{flops_per_iter:.3e}",
             "precision": run.precision.name
             + (", distributed optimizer" if run.optimizer.use_distributed_optimizer else ""),
+            **pipeline_summary(run, tr.pipeline),
         },
     )
     ckpt = run.checkpoint
@@ -396,6 +411,7 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
     signals = ExitSignalHandler() if ckpt.exit_signal_handler else nullcontext()
     with signals:
         summary = _train_loop(tr, logger, tokens_per_iter, flops_per_iter, signals)
+    write_pipeline_trace(tr, logger.print)
     logger.close()
     return summary
 

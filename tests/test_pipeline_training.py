@@ -1,0 +1,195 @@
+"""The trainer with pp = 2 (pretrain_gpt.py's ``pretrain``) against pp = 1 of the same code, seed and tp/dp.
+
+- Untied, clipping off: the losses of 3 steps and the validation loss are bit-identical (``==``) -- every stage's
+  weight gradients accumulate in microbatch order, the data-parallel all-reduce of two ranks is a commutative sum,
+  and AdamW is elementwise.  (With clipping on, the global norm is a sum of squares split differently over ranks,
+  so the clip factor may differ in the last bit.)
+- Tied embeddings (zb-v, whose V placement puts both copies on one rank; 1f1b with the copies on two ranks): the two
+  copies' gradients are summed in another order than the single model accumulates them, so losses agree to a
+  relative 1e-4 (tolerance fixed before measuring).
+- Bad schedule flags, and shapes a plan cannot serve, exit 2 with one line before any communication.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from zb_pipeline.testing.harness import run_multiprocess, run_torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_TOL = 1e-4
+STEPS = 3
+
+BASE = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+    "--vocab-size", "120", "--mock-data", "--micro-batch-size", "2", "--train-iters", str(STEPS),
+    "--lr", "3e-3", "--lr-warmup-iters", "1", "--weight-decay", "0.1", "--attention-dropout", "0",
+    "--hidden-dropout", "0", "--seed", "7", "--eval-iters", "1", "--eval-interval", str(STEPS),
+    "--log-interval", "1", "--distributed-timeout-seconds", "60",
+]  # fmt: skip
+UNTIED = ["--untie-embeddings-and-output-weights"]
+
+
+def _train(rank: int, world_size: int, argv: list[str]) -> dict:
+    import torch
+
+    from megatron.arguments import parse_run_config
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=io.StringIO())
+    return {"losses": list(summary.losses), "valid": [v for _, v in summary.validation_losses]}
+
+
+_REFERENCE: dict[tuple, dict] = {}
+
+
+def _reference(argv: list[str], world_size: int) -> dict:
+    key = (tuple(argv), world_size)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = run_multiprocess(_train, world_size, args=(argv,), timeout_s=240)[0]
+    return _REFERENCE[key]
+
+
+def _pipeline(argv: list[str], world_size: int) -> list[dict]:
+    results = run_multiprocess(_train, world_size, args=(argv,), timeout_s=240)
+    for r in results[1:]:  # every rank reports the same global-batch losses
+        assert r == results[0]
+    return results
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(math.isfinite(x) and abs(x - y) <= LOSS_TOL * abs(y) for x, y in zip(a, b))
+
+
+def test_zb_h1_pp2_dp2_bit_identical_to_pp1_dp2() -> None:
+    """zb-h1 on pp = 2 x dp = 2 (4 microbatches of 2 per replica): the same losses, to the bit, as pp = 1 x dp = 2."""
+    argv = [*BASE, *UNTIED, "--global-batch-size", "16", "--clip-grad", "0"]
+    ref = _reference(argv, 2)
+    got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 4)[0]
+    assert got["losses"] == ref["losses"], (got, ref)
+    assert got["valid"] == ref["valid"] and len(ref["valid"]) == 1
+
+
+def test_zb_v_tied_embeddings_match_pp1() -> None:
+    """zb-v (both tied copies on rank 0, summed locally) with clipping on: losses within 1e-4 of pp = 1."""
+    argv = [*BASE, "--global-batch-size", "6", "--clip-grad", "1.0"]
+    ref = _reference(argv, 1)
+    got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-v"], 2)[0]
+    assert _close(got["losses"], ref["losses"]), (got, ref)
+    assert _close(got["valid"], ref["valid"]), (got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "schedule,extra",
+    [
+        ("interleaved-1f1b", []),
+        ("zb-h2", []),
+        ("zb-auto", []),
+        ("interleaved-zb", []),
+        ("v-half", []),
+        ("1f1b", ["--global-batch-size", "2"]),  # m = 1 < p = 2
+    ],
+)
+def test_pp2_tp2_tied_matches_pp1_tp2(schedule: str, extra: list[str]) -> None:
+    """Tied embeddings on two ranks (loop placement) or one (V), tp = 2 in the mix: losses within 1e-4."""
+    argv = [*BASE, "--global-batch-size", "6", "--clip-grad", "1.0", "--tensor-model-parallel-size", "2", *extra]
+    ref = _reference(argv, 2)
+    got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule], 4)[0]
+    assert _close(got["losses"], ref["losses"]), (schedule, got, ref)
+    assert _close(got["valid"], ref["valid"]), (schedule, got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "interleaved-1f1b", "interleaved-zb", "zb-auto"])
+def test_untied_bit_identical_slow(schedule: str) -> None:
+    """Untied, clipping off, odd m = 3: bit-identical losses for every loop-placement schedule."""
+    argv = [*BASE, *UNTIED, "--global-batch-size", "6", "--clip-grad", "0"]
+    ref = _reference(argv, 1)
+    got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule], 2)[0]
+    assert got["losses"] == ref["losses"], (schedule, got, ref)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def _parse_error(extra: list[str], world_size: int = 2) -> str:
+    from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        parse_run_config([*BASE, "--global-batch-size", "4", *extra], world_size=world_size)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_schedule_flags_fail_at_parse_time(tmp_path) -> None:
+    from zb_pipeline.schedule.plan_file import save_plan
+    from zb_pipeline.schedule.registry import generate
+
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    assert "invalid choice" in _parse_error([*pp2, "--pipeline-schedule", "zb-h3"])
+    assert "contradicts" in _parse_error([*pp2, "--pipeline-schedule", "1f1b", "--zero-bubble-v-schedule"])
+    # one chunk per rank only: a virtual-stage size that asks for two
+    assert "chunks" in _parse_error([*pp2, "--pipeline-schedule", "zb-h1", "--num-layers-per-virtual-pipeline-stage", "1"])
+    # a plan file made for m = 4 cannot serve m = 1 < p (global batch 2 = one microbatch of 2)
+    plan = tmp_path / "plan.json"
+    save_plan(generate("zb-h1", 2, 4), plan)
+    from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="is for p=2, m=4"):
+        parse_run_config([*BASE, "--global-batch-size", "2", *pp2, "--schedule-file", str(plan)], world_size=2)
+    # a zb-auto memory limit below one microbatch's activations
+    assert "memory" in _parse_error([*pp2, "--enable-zero-bubble", "--zero-bubble-max-pending-backward", "0.5"])
+    # layers that do not split over the V schedule's 2 x pp virtual stages
+    assert "split" in _parse_error([*pp2, "--pipeline-schedule", "zb-v", "--num-layers", "6"])
+
+
+def test_bad_schedule_flag_exits_2_on_every_rank_with_one_line() -> None:
+    res = run_torchrun(
+        [str(ROOT / "pretrain_gpt.py"), *BASE, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h9"],
+        2,
+        timeout_s=120,
+    )
+    assert not res.timed_out
+    assert res.returncode == 2, res.output
+    errors = [line for line in res.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert len(errors) == 1 and "--pipeline-schedule" in errors[0], res.stderr
+
+
+def test_pipeline_trace_written_and_drawn(tmp_path) -> None:
+    """--pipeline-trace: one JSON with every planned compute action of every iteration, and the plan to draw."""
+    from zb_pipeline.schedule.plan_file import plan_from_dict
+
+    trace = tmp_path / "trace.json"
+    argv = [*BASE, *UNTIED, "--global-batch-size", "6", "--eval-iters", "0", "--pipeline-model-parallel-size", "2"]
+    argv += ["--pipeline-schedule", "zb-h1", "--pipeline-trace", str(trace)]
+    _pipeline(argv, 2)
+    doc = json.loads(trace.read_text())
+    plan = plan_from_dict(doc["zbPlan"])
+    assert plan.name == "zb-h1" and plan.num_microbatches == 3
+    for r in range(2):
+        for it in range(STEPS):
+            ran = [
+                ev["args"]["action"]
+                for ev in doc["traceEvents"]
+                if ev.get("ph") == "X" and ev.get("pid") == r and ev.get("cat") in ("F", "B", "W", "BW")
+                and ev["args"]["iteration"] == it
+            ]
+            assert ran == [str(a) for a in plan.ranks[r]], (r, it)
+    png = tmp_path / "trace.png"
+    from zb_pipeline.schedule.cli import main as zb_schedule
+
+    assert zb_schedule(["show", "--trace", str(trace), "--png", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
