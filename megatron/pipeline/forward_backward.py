@@ -41,9 +41,8 @@ from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 from zb_pipeline.schedule.ir import Action, F, Kind, Schedule
 from zb_pipeline.schedule.lowering import LoweredSchedule, lower
 from zb_pipeline.schedule.plan_file import plan_to_dict
+from zb_pipeline.schedule.trace_timeline import PLAN_KEY
 from zb_pipeline.schedule.validate import ScheduleError, validate
-
-PLAN_KEY = "zbPlan"  # the trace document's copy of the plan (plan-file form)
 
 
 class PipelineModel(torch.nn.ModuleList):

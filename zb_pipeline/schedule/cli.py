@@ -2,6 +2,7 @@
 
     zb-schedule list
     zb-schedule show NAME -p 4 -m 8 [--chunks 2] [--png out.png | --svg out.svg] [cost flags]
+    zb-schedule show --trace trace.json --png out.png [--iteration N]   (a --pipeline-trace above its plan)
     zb-schedule simulate NAME -p 4 -m 8 [--chunks V] --cost-f F --cost-b B --cost-w W --cost-comm C
                          [--mem-f X --mem-b Y --mem-w Z] [--mem-limit L] [--json] [--export plan.json]
     zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
@@ -66,10 +67,10 @@ def _spec(flag: str, text: str, *, positive: bool) -> float | list[float]:
     return values[0] if len(values) == 1 else values
 
 
-def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True) -> None:
+def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True, required: bool = True) -> None:
     if shape:
-        sp.add_argument("-p", "--ranks", type=int, required=True, help="pipeline ranks p")
-        sp.add_argument("-m", "--microbatches", type=int, required=True, help="microbatches per iteration m")
+        sp.add_argument("-p", "--ranks", type=int, required=required, help="pipeline ranks p")
+        sp.add_argument("-m", "--microbatches", type=int, required=required, help="microbatches per iteration m")
         sp.add_argument("--chunks", type=int, default=None, help="virtual stages per rank (default: the schedule's)")
     g = sp.add_argument_group("costs (one number per rank's share, a list per rank, or a list per virtual stage)")
     g.add_argument("--cost-f", default="1", metavar="F", help="forward time T_F (default 1)")
@@ -205,6 +206,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return _show_trace(args)
+    if args.name is None or args.ranks is None or args.microbatches is None:
+        raise UsageError("show needs NAME -p P -m M (or --trace trace.json to draw a measured run)")
     _check_shape(args)
     sched, costs, lowered = _plan(args.name, args)
     result = simulate(sched, costs)
@@ -214,6 +219,35 @@ def cmd_show(args: argparse.Namespace) -> int:
         else:
             width = max(60, shutil.get_terminal_size((160, 24)).columns)
             print(ansi_timeline(result, color=_use_color(args.color), max_width=width))
+    return 0
+
+
+def _show_trace(args: argparse.Namespace) -> int:
+    """``show --trace``: one iteration of a ``--pipeline-trace`` above its plan simulated with the measured costs."""
+    from zb_pipeline.schedule.trace_timeline import plot_trace_vs_plan
+
+    paths = [x for x in (args.png, args.svg) if x]
+    if not paths:
+        raise UsageError("show --trace draws a picture: add --png out.png or --svg out.svg")
+    with open(args.trace, encoding="utf-8") as f:
+        try:
+            doc = json.load(f)
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--trace {args.trace} is not JSON: {err}") from None
+    schedule = None
+    if args.name is not None:  # an explicit plan (old traces hold none): generated for the given shape
+        if args.ranks is None or args.microbatches is None:
+            raise UsageError("with NAME, --trace also needs -p P -m M (or drop NAME to use the plan in the trace)")
+        _check_shape(args)
+        schedule = _plan(args.name, args)[0]
+    for path in paths:
+        measured, planned = plot_trace_vs_plan(doc, path, schedule=schedule, iteration=args.iteration)
+        print(f"wrote {path}")
+    print(
+        f"iteration {measured.iteration}: measured span {measured.span_ms:.2f} ms (bubble rate "
+        f"{measured.bubble_rate:.1%}); the plan under the measured costs {planned.makespan:.2f} ms "
+        f"(bubble rate {planned.bubble_rate:.1%})"
+    )
     return 0
 
 
@@ -329,9 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("list", help="the registered schedules")
     sp.set_defaults(fn=cmd_list)
 
-    sp = sub.add_parser("show", help="draw a schedule's timeline (terminal, PNG or SVG)")
-    sp.add_argument("name", help="schedule name (see 'zb-schedule list')")
-    _add_shape_args(sp)
+    sp = sub.add_parser("show", help="draw a schedule's timeline, or a measured trace above its plan")
+    sp.add_argument("name", nargs="?", help="schedule name (see 'zb-schedule list'); optional with --trace")
+    _add_shape_args(sp, required=False)
+    sp.add_argument("--trace", help="a --pipeline-trace JSON: draw it above its plan (with --png/--svg)")
+    sp.add_argument("--iteration", type=int, default=None, help="with --trace: which iteration (default the last)")
     sp.add_argument("--png", help="write the timeline as PNG")
     sp.add_argument("--svg", help="write the timeline as SVG")
     sp.add_argument("--grid", action="store_true", help="print the rank x position action grid instead")

@@ -404,7 +404,7 @@ def _order_peaks(ranks: list[list[Action]], costs: StageCosts) -> list[float]:
     return peaks
 
 
-def template_plans(p: int, m: int, costs: StageCosts, caps: list[float], keep: int = 2) -> list[list[list[Action]]]:
+def template_plans(p: int, m: int, costs: StageCosts, caps: list[float], keep: int = 1) -> list[list[list[Action]]]:
     """Orders from the repeated modulo template (the papers' building block), shortest periods that fit the caps.
 
     The template for one microbatch (``modulo_template``) is repeated every ``period``; each rank runs its actions
