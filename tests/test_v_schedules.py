@@ -54,7 +54,10 @@ def check(name: str, p: int, m: int, costs: StageCosts) -> None:
     peaks = peak_memory(sched, costs)
     for r in range(p):
         assert peaks[r] <= caps[r] + 1e-9, f"{name} p={p} m={m}: rank {r} peak {peaks[r]} > cap {caps[r]}"
-    check_plan(sched, costs)  # independent: channel order, dependencies
+    # Independent: completeness, dependencies.  Hand-offs may be consumed out of their sender's order: lowering
+    # posts every receive when its data is produced (so in the sender's order), and validate() above has already
+    # run the strict one-order-per-pair model on the lowered plan.
+    check_plan(sched, costs, check_channels=False)
 
 
 def _subset() -> list[tuple[str, int, int, str]]:
@@ -121,6 +124,55 @@ def test_zb_v_bubble_bound(p: int) -> None:
     for m in (2 * p, 3 * p + 1):
         res = simulate(generate("zb-v", p, m, costs=costs), costs)
         assert res.makespan - 6 * m <= 1.5 * p, (p, m, res.makespan)
+
+
+def _rates(name: str, p: int, m: int, w: float) -> tuple[float, float, float]:
+    """(bubble rate of ``name``, of 1F1B at the same whole-share costs, makespan - m(F+B+W) in chunk-F units)."""
+    costs = StageCosts.uniform(2 * p, f=1.0, b=1.0, w=w)
+    res = simulate(generate(name, p, m, costs=costs), costs)
+    flat = StageCosts.uniform(p, f=2.0, b=2.0, w=2.0 * w)
+    ref = simulate(generate("1f1b", p, m, costs=flat), flat)
+    return res.bubble_rate, ref.bubble_rate, res.makespan - 2 * m * (2.0 + w)
+
+
+# Bounds fixed from the design before measuring the final version (see .notes/readme_vshape.md for the numbers):
+# - v-half, F = B = W: never a larger bubble rate than 1F1B (the repeated building block and the greedy variants
+#   both stay below (p - 1)(F + B + W));  F = B = 2W: within 8 percentage points of 1F1B (not yet matched).
+# - v-min: within 12 percentage points of 1F1B's bubble rate (its cap is about the least memory any steady
+#   state needs, so the block must be stretched where collisions lengthen the lifespans).
+V_HALF_SLACK = {1.0: 0.0, 0.5: 0.08}
+V_MIN_SLACK = 0.12
+
+
+def _check_rate_bounds(p: int, m: int) -> None:
+    for w in (1.0, 0.5):
+        half, ref, _ = _rates("v-half", p, m, w)
+        assert half <= ref + V_HALF_SLACK[w] + 1e-9, ("v-half", p, m, w, half, ref)
+        vmin, ref, _ = _rates("v-min", p, m, w)
+        assert vmin <= ref + V_MIN_SLACK + 1e-9, ("v-min", p, m, w, vmin, ref)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_v_half_v_min_bubble_against_1f1b(p: int) -> None:
+    for m in (2 * p, 4 * p):
+        _check_rate_bounds(p, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", [3, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16])
+def test_v_half_v_min_bubble_against_1f1b_grid(p: int) -> None:
+    for m in (2 * p, 4 * p):
+        _check_rate_bounds(p, m)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p", range(2, 17))
+def test_zb_v_bubble_bound_grid(p: int) -> None:
+    """zb-v, m in {2p, 4p}, F = B = W and F = B = 2W: makespan - m(F+B+W) <= 1.5p chunk-F units."""
+    for w in (1.0, 0.5):
+        for m in (2 * p, 4 * p):
+            _, _, excess = _rates("zb-v", p, m, w)
+            assert excess <= 1.5 * p + 1e-9, (p, m, w, excess)
 
 
 def test_planned_from_real_costs() -> None:

@@ -8,6 +8,9 @@
     zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
     zb-schedule validate plan.json [cost flags] [--mem-limit L]
 
+Every command that takes cost flags also takes ``--profile prof.json`` (a measured profile, see
+``zb_pipeline.runtime.profiler``): its per-stage costs in ms and memory deltas in bytes replace the flags.
+
 Cost and memory flags take one number (a rank's whole share of layers), a comma-separated list with one number
 per rank, or one per virtual stage (see ``StageCosts.build``).  Bad input prints one line on stderr and exits
 with status 2; a plan that fails ``validate`` prints its grid (failing step marked) and exits with status 2 too.
@@ -81,9 +84,23 @@ def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True, required
     g.add_argument("--mem-b", default=None, metavar="Y", help="memory added by B (default 0)")
     g.add_argument("--mem-w", default=None, metavar="Z", help="memory added by W (default -(mem_f + mem_b))")
     g.add_argument("--mem-limit", type=float, default=None, metavar="L", help="per-rank memory limit (mem units)")
+    g.add_argument(
+        "--profile",
+        default=None,
+        metavar="PROF_JSON",
+        help="plan from a measured profile (zb_pipeline.runtime.profiler): its per-stage costs (ms) and memory "
+        "(bytes; --mem-limit then in bytes) replace the cost and memory flags",
+    )
 
 
 def _build_costs(args: argparse.Namespace, p: int, chunks: int, placement: Sequence[int]) -> StageCosts:
+    if getattr(args, "profile", None):
+        from zb_pipeline.runtime.profiler import load_profile  # reads JSON only; no torch
+
+        profile = load_profile(args.profile)
+        if profile.num_ranks != p:
+            raise UsageError(f"--profile {args.profile} was measured with p={profile.num_ranks}, not p={p}")
+        return profile.to_stage_costs(chunks=chunks, stage_to_rank=placement)
     comm = _spec("--cost-comm", args.cost_comm, positive=False)
     if isinstance(comm, list):
         raise UsageError(f"--cost-comm takes one number, got {args.cost_comm!r}")

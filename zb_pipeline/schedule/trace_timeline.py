@@ -104,7 +104,7 @@ def measured_iteration(doc: Mapping[str, Any], schedule: Schedule, iteration: in
         cat = ev.get("cat")
         if cat in _COMPUTE:
             a = ev["args"]
-            compute[r].append(Span(start, end, Action(_COMPUTE[cat], a["stage"], a["microbatch"])))
+            compute[r].append(Span(start, end, Action(a["stage"], _COMPUTE[cat], a["microbatch"])))
         elif cat == "wait" and end > start:
             waits[r].append(Span(max(start, 0.0), end, None, ev.get("name", "wait")))
     return MeasuredIteration(
@@ -166,7 +166,7 @@ def plot_trace_vs_plan(
     t_end = max(measured.span_ms, planned.end_time) or 1.0
     width = min(30.0, max(10.0, 0.25 * max(len(x) for x in measured.compute) + 3.0))
     row_in = 0.36
-    height = 1.1 + 2 * (row_in * p + 0.55)
+    height = 0.8 + 2 * (row_in * p + 0.55)
     fig = Figure(figsize=(width, height), dpi=110)
     chunk_of, chunks = _chunk_index(schedule), schedule.chunks
 

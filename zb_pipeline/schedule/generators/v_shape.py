@@ -85,7 +85,7 @@ class _Policy:
 
 _POLICIES = tuple(
     [_Policy("local", o, fifo=False) for o in ("bfw", "fbw", "f1bf0w", "bf1f0w")]
-    + [_Policy("optimistic", o, pace, burst) for o in ("bfw", "fbw") for pace, burst in ((0, 0), (1, 0), (1, 0.5))]
+    + [_Policy("optimistic", o, pace) for o in ("bfw", "fbw") for pace in (0, 1)]
     + [_Policy(adm, order) for adm in ("staged", "full") for order in ("bfw", "fbw")]
 )
 # Periods tried for the modulo template, as multiples of the busiest rank's work per microbatch.
@@ -392,13 +392,24 @@ def _unrolled(stage_to_rank: tuple[int, ...], m: int, offsets: dict[tuple[int, K
     return [[a for *_, a in sorted(lst, key=lambda x: x[:3])] for lst in timed]
 
 
-def _order_peaks(ranks: list[list[Action]], costs: StageCosts) -> list[float]:
+def _template_peaks(
+    stage_to_rank: tuple[int, ...], m: int, offsets: dict[tuple[int, Kind], float], period: float, costs: StageCosts
+) -> list[float]:
+    """Each rank's peak memory of ``_unrolled`` without building it: enough copies to reach the steady state."""
+    p = max(stage_to_rank) + 1
     delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
+    life = max(offsets[(s, Kind.W)] - offsets[(s, Kind.F)] for s in range(len(stage_to_rank)))
+    copies = min(m, int(life / period) + 3)  # the running sum repeats once every live copy overlaps
+    events: list[list[tuple[float, int, int, float]]] = [[] for _ in range(p)]
+    for (s, k), o in offsets.items():
+        for mb in range(copies):
+            events[stage_to_rank[s]].append((o + mb * period, 0 if k is Kind.W else 1, s, delta[k][s]))
     peaks = []
-    for acts in ranks:
+    for lst in events:
+        lst.sort()
         cur = best = 0.0
-        for a in acts:
-            cur += delta[a.kind][a.stage]
+        for *_, d in lst:
+            cur += d
             best = max(best, cur)
         peaks.append(best)
     return peaks
@@ -423,9 +434,8 @@ def template_plans(p: int, m: int, costs: StageCosts, caps: list[float], keep: i
             offsets = modulo_template(place, costs, period, eager)
             if offsets is None:
                 continue
-            ranks = _unrolled(place, m, offsets, period)
-            if all(pk <= cap + _EPS for pk, cap in zip(_order_peaks(ranks, costs), caps)):
-                out.append(ranks)
+            if all(pk <= cap + _EPS for pk, cap in zip(_template_peaks(place, m, offsets, period, costs), caps)):
+                out.append(_unrolled(place, m, offsets, period))
                 if len(out) >= keep:
                     return out
     return out

@@ -47,6 +47,7 @@ extension is built, else in the Python reference below; both give identical plan
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import statistics
@@ -83,6 +84,7 @@ class Policy:
     f_fits: bool  # F only if it ends before the next B is due
     guard: bool  # W's also keep clear of arrivals not decided yet (at the earliest they could come)
     label: str = ""
+    static: bool = False  # a fixed order by counts (warm = forwards in flight, lag); the others are ignored
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ class SearchResult:
     passes: int
     backend: str
     seconds: float = 0.0  # wall time of the search before the final Schedule objects are built
+    cpu_seconds: float = 0.0  # the same in CPU time of this process (fair on a loaded machine)
+    work: int = 0  # actions simulated over all passes
+    lower_bound: float = 0.0  # a makespan no plan can beat (``lower_bound``); equal to ``makespan``: optimal
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,11 +138,14 @@ def list_schedule_py(
     theta_w: float,
     f_fits: bool,
     guard: bool,
-    bound: float = INF,
-) -> tuple[list[list[int]], float]:
-    """One pass of the list scheduler: per-rank action codes (kind * m + mb) and the makespan.
+    static: bool = False,
+    cut: float = INF,
+) -> tuple[list[list[int]], float, int]:
+    """One pass of the list scheduler: per-rank action codes (kind * m + mb), the pass's makespan, actions run.
 
-    A pass whose span grows beyond ``bound`` on some rank stops early and reports ``inf`` (the search's cut).
+    A pass stops early and reports ``inf`` once a lower bound on some rank's span (the time it has used plus the
+    work it still has) exceeds ``cut``: the search passes its best makespan so far, so a variant that cannot win
+    stops as soon as it has idled more than the best plan's slack.
     """
     p = len(st.f)
     f, b, w, c = st.f, st.b, st.w, st.comm
@@ -151,6 +159,8 @@ def list_schedule_py(
     free = [0.0] * p
     first = [INF] * p
     wake = [INF] * p
+    rem = [m * (f[r] + b[r] + w[r]) for r in range(p)]
+    work = 0
     plans: list[list[int]] = [[] for _ in range(p)]
     heap: list[tuple[float, int]] = [(0.0, 0)]
     wake[0] = 0.0
@@ -173,40 +183,62 @@ def list_schedule_py(
             f_room = mem[r] + mf[r] + max(0.0, mb[r]) <= cap[r] + _EPS and (k > 0 or j < warm[r])
         has_w = nw[r] < k
         act = -1
-        f_now = f_room and tf <= t
-        if tb <= t and not (f_now and j - k < ahead[r]):
-            act = _W if (has_w and mem[r] + mb[r] > cap[r] + _EPS) else _B
-        elif has_w and k - nw[r] > lag[r]:
-            act = _W
-        elif f_now and (tb <= t or not f_fits or tb == INF or t + f[r] <= tb):
-            act = _F
-        elif has_w:
-            # The next B or admissible F a W would delay; with ``guard`` an arrival not decided yet counts as
-            # the earliest it could be (its producer starting it now or when it is free).
-            due_b = tb
-            if guard and due_b == INF and k < j:
-                due_b = max(t, free[r + 1]) + b[r + 1] + c
-            due_f = INF
-            if f_room:
-                due_f = tf
-                if guard and due_f == INF:
-                    due_f = max(t, free[r - 1]) + f[r - 1] + c
-            due = due_f if due_f < due_b else due_b
-            if due == INF or t + w[r] <= due + theta_w * w[r]:
+        nxt = INF
+        if static:
+            # A fixed order: W once more than lag[r] are pending, else F while fewer than warm[r] await their B,
+            # else B; the rank waits for what it chose (ZB-H1 is warm = p - r, lag = r).
+            if has_w and k - nw[r] > lag[r]:
                 act = _W
+            elif j < m and j - k < warm[r] and mem[r] + mf[r] + max(0.0, mb[r]) <= cap[r] + _EPS:
+                if tf <= t:
+                    act = _F
+                else:
+                    nxt = tf
+            elif k < j:
+                if tb <= t:
+                    act = _W if (has_w and mem[r] + mb[r] > cap[r] + _EPS) else _B
+                else:
+                    nxt = tb
+            elif has_w:
+                act = _W
+        else:
+            f_now = f_room and tf <= t
+            if tb <= t and not (f_now and j - k < ahead[r]):
+                act = _W if (has_w and mem[r] + mb[r] > cap[r] + _EPS) else _B
+            elif has_w and k - nw[r] > lag[r]:
+                act = _W
+            elif f_now and (tb <= t or not f_fits or tb == INF or t + f[r] <= tb):
+                act = _F
+            elif has_w:
+                # The next B or admissible F a W would delay; with ``guard`` an arrival not decided yet counts as
+                # the earliest it could be (its producer starting it now or when it is free).
+                due_b = tb
+                if guard and due_b == INF and k < j:
+                    due_b = max(t, free[r + 1]) + b[r + 1] + c
+                due_f = INF
+                if f_room:
+                    due_f = tf
+                    if guard and due_f == INF:
+                        due_f = max(t, free[r - 1]) + f[r - 1] + c
+                due = due_f if due_f < due_b else due_b
+                if due == INF or t + w[r] <= due + theta_w * w[r]:
+                    act = _W
+            if act < 0:
+                nxt = tb if tb > t else INF
+                if f_room and t < tf < nxt:
+                    nxt = tf
         if act < 0:  # wait for the next arrival we know of; others notify us when they are decided
-            nxt = tb if tb > t else INF
-            if f_room and t < tf < nxt:
-                nxt = tf
             if nxt < INF:
                 wake[r] = nxt
                 heapq.heappush(heap, (nxt, -r))
             continue
+        work += 1
         if act == _F:
             end = t + f[r]
             f_end[r][j] = end
             nf[r] = j + 1
             mem[r] += mf[r]
+            rem[r] -= f[r]
             plans[r].append(j)
             if first[r] == INF:
                 first[r] = t
@@ -221,6 +253,7 @@ def list_schedule_py(
             b_end[r][k] = end
             nb[r] = k + 1
             mem[r] += mb[r]
+            rem[r] -= b[r]
             plans[r].append(m + k)
             q = r - 1
             if q >= 0 and nb[q] == k and nf[q] > k:  # the previous rank may be waiting for this gradient
@@ -233,10 +266,11 @@ def list_schedule_py(
             i = nw[r]
             nw[r] = i + 1
             mem[r] += mw[r]
+            rem[r] -= w[r]
             plans[r].append(2 * m + i)
         free[r] = end
-        if end - first[r] > bound:
-            return plans, INF
+        if end - first[r] + rem[r] > cut:
+            return plans, INF, work
         if end < wake[r]:
             wake[r] = end
             heapq.heappush(heap, (end, -r))
@@ -244,7 +278,7 @@ def list_schedule_py(
         if nw[r] != m:  # cannot happen with cap >= one microbatch; a loud guard against a broken policy
             raise RuntimeError(f"zb-auto list scheduler stalled on rank {r} ({nf[r]} F, {nb[r]} B, {nw[r]} W of {m})")
     makespan = max(free[r] - first[r] for r in range(p))
-    return plans, makespan
+    return plans, makespan, work
 
 
 def evaluate_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> float:
@@ -338,13 +372,77 @@ def fill_counts(m: int, costs: StageCosts, *, round_up: bool) -> tuple[int, ...]
     return tuple(out)
 
 
+def lower_bound(m: int, st: StageArrays) -> float:
+    """A makespan no plan can beat under ``st`` (costs and caps): the search stops when it reaches it.
+
+    Rank r's span is its work ``m (F_r + B_r + W_r)`` plus two idle times that no order avoids:
+
+    - *head*: its first B waits for the gradient of microbatch 0, which needs ``window_r = sum_{q>=r} F_q +
+      sum_{q>r} B_q + 2 (p-1-r) c`` after the rank's first F; before it the rank can only run forwards, at most
+      ``n_r`` of them (``n_r mem_f + max(0, mem_b) <= cap``, and at most m);
+    - *tail*: between the start of its last F and the start of its last B the same ``window_r`` passes; in it the
+      rank can run that F and the B and W of the at most ``n_r - 1`` other microbatches it holds (needs the
+      memory model where a W frees what its F and B took and ``mem_b >= 0``; otherwise only the head counts).
+
+    The two intervals are disjoint when ``m > n_r`` (the last F cannot run before the first B).  At F = B = W and
+    c = 0 with a limit of p microbatches this is exactly ZB-H1's makespan, which is therefore optimal there.
+    """
+    p = len(st.f)
+    c = st.comm
+    best = 0.0
+    for r in range(p):
+        f, b, w, mf, mb = st.f[r], st.b[r], st.w[r], st.mem_f[r], st.mem_b[r]
+        window = sum(st.f[r:]) + sum(st.b[r + 1 :]) + 2 * (p - 1 - r) * c
+        n = m if mf <= 0 else max(1, min(m, math.floor((st.cap[r] - max(0.0, mb)) / mf + 1e-9)))
+        head = max(0.0, window - n * f)
+        tail = 0.0
+        if mf > 0 and mb >= 0 and abs(st.mem_w[r] + mf + mb) <= 1e-12 * max(1.0, mf + mb):
+            held = max(1, min(m, math.floor(st.cap[r] / mf + 1e-9)))
+            tail = max(0.0, window - f - (held - 1) * (b + w))
+        idle = head + tail if m > n else max(head, tail)
+        best = max(best, m * (f + b + w) + idle)
+    return best
+
+
+def _variant(
+    warm: tuple[int, ...],
+    ahead: tuple[int, ...],
+    lag: tuple[int, ...],
+    theta_w: float,
+    f_fits: bool,
+    guard: bool,
+    label: str,
+    static: bool = False,
+) -> Policy:
+    if static:  # the fields a static pass ignores, in one canonical form (so that duplicates are found)
+        ahead, theta_w, f_fits, guard = (0,) * len(warm), 0.0, False, False
+    return Policy(warm, ahead, lag, theta_w, f_fits, guard, label, static)
+
+
+def anchors(p: int, m: int) -> list[Policy]:
+    """The handcrafted orders as members of the family: ZB-H1 (static, warm p - r, W lagging r behind B) and
+    ZB-H2 (dynamic, warm 2(p - r) - 1, B first, F within the limit, W where it ends before the next arrival).
+
+    They run first and uncut, so the search's own result is never worse than these orders within its limit."""
+    h1 = _variant(
+        tuple(max(1, min(m, p - r)) for r in range(p)), (0,) * p, tuple(range(p)), 0.0, False, False,
+        "static warm=1f1b lag=rank", static=True,
+    )  # fmt: skip
+    h2 = _variant(
+        tuple(max(1, min(m, 2 * (p - r) - 1)) for r in range(p)), (0,) * p, (m,) * p, 0.0, False, False,
+        "warm=h2 ahead=0 lag=none theta_w=0.0 f_fits=False guard=False",
+    )  # fmt: skip
+    return [h1, h2]
+
+
 def policies(p: int, m: int, costs: StageCosts) -> list[Policy]:
-    """The family of variants the search runs (deterministic order)."""
+    """The family of variants the search runs, in order: the anchors, then the rest (no two alike)."""
     warms: list[tuple[str, tuple[int, ...]]] = [("free", (m,) * p)]
     for label, wm in (
         ("fill-", fill_counts(m, costs, round_up=False)),
         ("fill+", fill_counts(m, costs, round_up=True)),
         ("1f1b", tuple(max(1, min(m, p - r)) for r in range(p))),
+        ("h2", tuple(max(1, min(m, 2 * (p - r) - 1)) for r in range(p))),
     ):
         if all(wm != w_ for _, w_ in warms):
             warms.append((label, wm))
@@ -360,12 +458,21 @@ def policies(p: int, m: int, costs: StageCosts) -> list[Policy]:
                                 f"warm={label} ahead={ahead_label} lag={lag_label} theta_w={theta_w} "
                                 f"f_fits={f_fits} guard={guard}"
                             )
-                            out.append(Policy(wm, ahead, lag, theta_w, f_fits, guard, name))
+                            out.append(_variant(wm, ahead, lag, theta_w, f_fits, guard, name))
+        if label != "free":  # a static order needs a finite number of forwards in flight
+            for lag_label, lag in (*lags, ("0", (0,) * p), ("rank/2", tuple(r // 2 for r in range(p)))):
+                out.append(_variant(wm, (0,) * p, lag, 0.0, False, False, f"static warm={label} lag={lag_label}", True))
     # Most useful first (measured: how often a variant alone is best over a grid of shapes and cost ratios), so
     # that the cut of later passes bites early.
     rank = {label: i for i, label in enumerate(_FIRST)}
     out.sort(key=lambda pol: rank.get(pol.label, len(rank)))
-    return out
+    family, seen = [], set()
+    for pol in anchors(p, m) + out:
+        key = (pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, pol.static)
+        if key not in seen:
+            seen.add(key)
+            family.append(pol)
+    return family
 
 
 _FIRST = (
@@ -396,16 +503,43 @@ def _backend(name: str | None) -> str:
     return name
 
 
+class Engine:
+    """Passes and scoring over one cost view, in C++ (``_zb_auto_cpp.Searcher``) or in the Python reference."""
+
+    def __init__(self, backend: str, m: int, st: StageArrays) -> None:
+        self.backend, self.m, self.st = backend, m, st
+        self._cpp = None
+        if backend == "cpp":
+            self._cpp = _cpp.Searcher(m, st.f, st.b, st.w, st.comm, st.mem_f, st.mem_b, st.mem_w, st.cap)
+
+    def run(
+        self, pol: Policy, want_plan: bool = False, cut: float = INF
+    ) -> tuple[list[list[int]] | None, float, float, int]:
+        """One pass: (plans or None, the pass's span, the plan's simulated makespan, actions run); inf when cut."""
+        if self._cpp is not None:
+            return self._cpp.run(
+                pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, pol.static, want_plan, cut
+            )
+        plans, span, work = list_schedule_py(
+            self.m, self.st, pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, pol.static, cut
+        )
+        if span == INF:
+            return None, INF, INF, work
+        return (plans if want_plan else None), span, evaluate_py(self.m, self.st, plans), work
+
+    def evaluate(self, plans: Sequence[Sequence[int]]) -> float:
+        """Simulated makespan of fixed plans under this view's costs."""
+        if self._cpp is not None:
+            return self._cpp.evaluate(plans)
+        return evaluate_py(self.m, self.st, plans)
+
+
 def _run(
     backend: str, m: int, st: StageArrays, pol: Policy, want_plan: bool = True, bound: float = INF
 ) -> tuple[list[list[int]] | None, float]:
-    """One pass; with ``want_plan=False`` the C++ pass skips building the plan (the search only needs spans)."""
-    if backend == "cpp":
-        return _cpp.list_schedule(
-            m, st.f, st.b, st.w, st.comm, st.mem_f, st.mem_b, st.mem_w, st.cap,
-            pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, want_plan, bound,
-        )  # fmt: skip
-    return list_schedule_py(m, st, pol.warm, pol.ahead, pol.lag, pol.theta_w, pol.f_fits, pol.guard, bound)
+    """One pass (plans, the pass's span); kept for the handcrafted generators that run a fixed policy."""
+    plans, span, _, _ = Engine(backend, m, st).run(pol, want_plan, bound)
+    return plans, span
 
 
 def resolve_mem_limit(p: int, costs: StageCosts, mem_limit: float | None) -> tuple[float, ...]:
@@ -421,6 +555,10 @@ def resolve_mem_limit(p: int, costs: StageCosts, mem_limit: float | None) -> tup
     return (float(mem_limit),) * p
 
 
+def _tol(x: float) -> float:
+    return _EPS * max(1.0, abs(x))
+
+
 def search(
     p: int,
     m: int,
@@ -434,59 +572,63 @@ def search(
 ) -> SearchResult:
     """Run the variant family (and the local improvement), return the best plan found.
 
-    ``budget`` bounds the effort in simulated actions (passes x 3pm): small shapes get the whole family and the
-    improvement pass, large ones the most useful variants first (at least ``len(_FIRST)`` passes).
+    ``budget`` bounds the effort in simulated actions (summed over passes; a cut pass counts what it ran): the
+    anchors and the first ``len(_FIRST)`` variants always run, the rest while the budget lasts.
     """
     if costs.num_stages != p:
         raise ValueError(f"zb-auto plans one chunk per rank: costs have {costs.num_stages} stages, expected p={p}")
-    t_start = time.perf_counter()
+    t_wall, t_cpu = time.perf_counter(), time.process_time()
     be = _backend(backend)
     st = StageArrays.of(costs, resolve_mem_limit(p, costs, mem_limit))
-    max_passes = max(len(_FIRST), int(budget // (3 * p * m)))
-    span, pol, passes = _search_view(p, m, costs, st, be, improve, max_passes)
-    plans, span_again = _run(be, m, st, pol)
-    assert plans is not None and span_again == span
-    if median_view and not _stage_uniform(costs):
+    eng = Engine(be, m, st)
+    floor = lower_bound(m, st)
+    span, pol, passes, work = _search_view(p, m, costs, eng, improve, budget, floor)
+    plans, _, again, _ = eng.run(pol, want_plan=True)
+    assert plans is not None and again == span
+    if median_view and not _stage_uniform(costs) and span > floor + _tol(floor):
         # One more candidate: the plan the same search makes when every stage costs the median, scored with the
         # true costs.  Passes make local decisions from the costs they see, and on some shapes the smoother view
         # happens to decide better; keeping it as a candidate means real costs never lose to a median plan.
         med = _median(costs)
-        st_med = StageArrays.of(med, st.cap)
-        _, v_pol, v_passes = _search_view(p, m, med, st_med, be, improve, max_passes)
-        v_plans, _ = _run(be, m, st_med, v_pol)
+        eng_med = Engine(be, m, StageArrays.of(med, st.cap))
+        _, v_pol, v_passes, v_work = _search_view(p, m, med, eng_med, improve, budget, lower_bound(m, eng_med.st))
+        v_plans, _, _, _ = eng_med.run(v_pol, want_plan=True)
         assert v_plans is not None
-        v_span = evaluate_py(m, st, v_plans)
+        v_span = eng.evaluate(v_plans)
         passes += v_passes
-        if v_span < span - _EPS * max(1.0, span):
+        work += v_work
+        if v_span < span - _tol(span):
             span, pol, plans = v_span, replace(v_pol, label=v_pol.label + " (median view)"), v_plans
-    seconds = time.perf_counter() - t_start
-    return SearchResult(_to_schedule("zb-auto", p, m, plans), span, pol, passes, be, seconds)
+    seconds, cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
+    return SearchResult(_to_schedule("zb-auto", p, m, plans), span, pol, passes, be, seconds, cpu, work, floor)
 
 
 def _search_view(
-    p: int, m: int, costs: StageCosts, st: StageArrays, be: str, improve: bool, max_passes: int
-) -> tuple[float, Policy, int]:
-    """The variant family (cut by the best so far), then the improvement pass: (span, policy, passes run)."""
-    # No plan can beat the busiest rank's own work: reaching it ends the search.
-    floor = max(m * (st.f[r] + st.b[r] + st.w[r]) for r in range(p))
+    p: int, m: int, costs: StageCosts, eng: Engine, improve: bool, budget: float, floor: float
+) -> tuple[float, Policy, int, int]:
+    """The variant family (cut by the best so far), then the improvement pass: (makespan, policy, passes, work)."""
+    family = policies(p, m, costs)
+    n_anchor = len(anchors(p, m))
+    min_passes = n_anchor + len(_FIRST)
     best: tuple[float, Policy] | None = None
-    passes = 0
-    for pol in policies(p, m, costs):
-        if passes >= max_passes:
+    passes = work = 0
+    for i, pol in enumerate(family):
+        if i >= min_passes and work >= budget:
             break
-        bound = INF if best is None else best[0]
-        _, span = _run(be, m, st, pol, want_plan=False, bound=bound)
+        cut = INF if best is None or i < n_anchor else best[0] - _tol(best[0])
+        _, _, score, w = eng.run(pol, cut=cut)
         passes += 1
-        if best is None or span < best[0] - _EPS * max(1.0, span):
-            best = (span, pol)
-        if best[0] <= floor * (1 + 1e-12):
-            improve = False
-            break
+        work += w
+        if best is None or score < best[0] - _tol(best[0]):
+            best = (score, pol)
+        if best[0] <= floor + _tol(floor):  # no plan can do better
+            return best[0], best[1], passes, work
     assert best is not None
-    if improve and p > 1 and passes < max_passes:
-        best, extra = _improve_warm(be, m, st, best, max_passes - passes)
+    if improve and p > 1 and work < budget:
+        best, extra, extra_work = _improve_warm(eng, best, budget - work)
         passes += extra
-    return best[0], best[1], passes
+        work += extra_work
+    return best[0], best[1], passes, work
 
 
 def _stage_uniform(costs: StageCosts) -> bool:
@@ -503,18 +645,18 @@ def _median(costs: StageCosts) -> StageCosts:
     return replace(costs, f=med(costs.f), b=med(costs.b), w=med(costs.w))
 
 
-def _improve_warm(
-    be: str, m: int, st: StageArrays, best: tuple[float, Policy], max_passes: int
-) -> tuple[tuple[float, Policy], int]:
+def _improve_warm(eng: Engine, best: tuple[float, Policy], budget: float) -> tuple[tuple[float, Policy], int, int]:
     """Greedy descent on the warm-up budget: lower one rank's budget by one while that shortens the makespan.
 
     Starts from the best variant's budget capped at what that plan actually used before its first B (a budget
-    above the used count changes nothing).  One sweep over ranks from the last to the first, bounded by 2p passes.
+    above the used count changes nothing).  One sweep over ranks from the last to the first, at most 2p passes
+    and within ``budget`` simulated actions.
     """
     span, pol = best
-    plans, _ = _run(be, m, st, pol)
+    plans, _, _, _ = eng.run(pol, want_plan=True)
     assert plans is not None
-    p = len(st.f)
+    m = eng.m
+    p = len(plans)
     used = []
     for r in range(p):
         n = 0
@@ -524,25 +666,43 @@ def _improve_warm(
             n += 1
         used.append(max(1, n))
     warm = list(used)
-    passes = 0
+    passes = work = 0
     for r in range(p - 1, -1, -1):
-        if warm[r] <= 1 or passes >= min(2 * p, max_passes):
+        if warm[r] <= 1 or passes >= 2 * p or work >= budget:
             continue
         warm[r] -= 1
         trial = replace(pol, warm=tuple(warm), label=pol.label + " +improve")
-        _, t_span = _run(be, m, st, trial, want_plan=False, bound=span)
+        _, _, t_span, w = eng.run(trial, cut=span - _tol(span))
         passes += 1
-        if t_span < span - _EPS * max(1.0, span):
+        work += w
+        if t_span < span - _tol(span):
             span, pol = t_span, trial
         else:
             warm[r] += 1
-    return (span, pol), passes
+    return (span, pol), passes, work
+
+
+@functools.lru_cache(maxsize=4096)
+def _actions_of(rank: int, kind: int) -> list[Action]:
+    """Interned actions of one rank and kind, by microbatch (grown on demand; plans share the objects)."""
+    return []
+
+
+def _action_table(rank: int, m: int) -> list[Action]:
+    """Code -> Action for one rank (codes kind * m + microbatch)."""
+    table: list[Action] = []
+    for kind in range(3):
+        acts = _actions_of(rank, kind)
+        for j in range(len(acts), m):
+            acts.append(Action(rank, _KINDS[kind], j))
+        table += acts[:m]
+    return table
 
 
 def _to_schedule(name: str, p: int, m: int, plans: Sequence[Sequence[int]]) -> Schedule:
     ranks = []
     for r, codes in enumerate(plans):
-        ranks.append(tuple(Action(r, _KINDS[code // m], code % m) for code in codes))
+        ranks.append(tuple(map(_action_table(r, m).__getitem__, codes)))
     return Schedule(name, p, p, m, loop_placement(p), ranks)
 
 

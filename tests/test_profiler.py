@@ -1,0 +1,222 @@
+"""The profiler: measured costs -> Profile -> prof.json -> zb-schedule, and switching plans at an iteration boundary.
+
+Deterministic properties only (no timing asserts): the plan the trainer switches to is the plan ``zb-schedule
+--profile`` makes from the saved file; switching mid-run gives exactly the losses of a run that used the new plan
+from the start; the saved-tensor memory accounting gives exact byte counts for a known stage and its measured peak
+equals the simulator's prediction under the profiled deltas.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from runtime_models import BATCH, HIDDEN, MLPStage, mlp_input, mlp_target
+
+from zb_pipeline.runtime.executor import PipelineExecutor
+from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+from zb_pipeline.runtime.profiler import (
+    ActionProfiler,
+    Profile,
+    WindowReplanner,
+    mem_limit_for_microbatches,
+    regenerate,
+)
+from zb_pipeline.schedule import cli
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.lowering import lower
+from zb_pipeline.schedule.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
+from zb_pipeline.schedule.registry import generate
+from zb_pipeline.schedule.simulate import rank_peak_memory
+from zb_pipeline.testing import run_multiprocess
+
+P, M, ITERS, WINDOW = 3, 5, 4, (0, 2)
+LR = 0.05
+FLOAT_BYTES = 4
+
+
+def _loss_fn(out: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    loss = ((out - mlp_target(mb)) ** 2).mean()
+    return loss / M, loss
+
+
+def _train_rank(rank: int, world_size: int, plan: dict | None, plan_path: str | None) -> dict:
+    """ITERS iterations of SGD.  plan=None: start on zb-h1, profile WINDOW, replan zb-auto and switch; else run
+    ``plan`` (loaded from ``plan_path``) from the start."""
+    torch.set_num_threads(1)
+    sched = load_plan(plan_path) if plan_path else generate("zb-h1", world_size, M)
+    lowered = lower(sched)
+    stages = {s: MLPStage(s) for s in sched.stages_of(rank)}
+    specs = [TensorSpec((BATCH, HIDDEN))] * (sched.num_stages - 1)
+    p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=60, check=True)
+    ex = PipelineExecutor(lowered, rank, stages, p2p=p2p, input_fn=mlp_input, loss_fn=_loss_fn)
+    replanner = None
+    if plan_path is None:
+        replanner = WindowReplanner(
+            ex, start_iter=WINDOW[0], end_iter=WINDOW[1], mem_limit_microbatches=world_size, log=lambda line: None
+        )
+    losses, executed_plan_after = [], None
+    for it in range(ITERS):
+        losses.append([float(x) for x in ex.run(it)])
+        with torch.no_grad():
+            for mod in stages.values():
+                for prm in mod.parameters():
+                    prm -= LR * prm.grad
+                    prm.grad = None
+        if replanner is not None and replanner.after_iteration(it) is not None:
+            executed_plan_after = [str(st) for st in ex.steps]
+    dist.barrier()
+    out = {
+        "losses": losses,
+        "params": {s: [prm.detach().numpy().copy() for prm in mod.parameters()] for s, mod in stages.items()},
+    }
+    if replanner is not None:
+        out["profile"] = replanner.profile.to_dict()
+        out["plan"] = plan_to_dict(replanner.replan.schedule)
+        out["mem_limit"] = replanner.replan.mem_limit
+        out["makespan"] = replanner.replan.result.makespan
+        out["steps_after_switch"] = executed_plan_after
+        out["window_plan"] = plan_to_dict(sched)
+    return out
+
+
+@pytest.fixture(scope="module")
+def switched_run() -> list[dict]:
+    return run_multiprocess(_train_rank, P, args=(None, None), timeout_s=120)
+
+
+def test_profile_memory_is_exact_saved_tensor_bytes(switched_run: list[dict]) -> None:
+    prof = Profile.from_dict(switched_run[0]["profile"])
+    act = BATCH * HIDDEN * FLOAT_BYTES
+    S = prof.num_stages
+    # F saves the linear input and the tanh output (the second linear's input, same storage); the last stage also
+    # saves (out - target) for the squared error and the divisor M of loss / M (a float64 scalar tensor).  After B
+    # the graph is freed and each linear's W work holds its input and its output gradient.
+    scalar = 8
+    assert prof.mem_f == tuple([2.0 * act] * (S - 1) + [3.0 * act + scalar])
+    assert prof.mem_b == tuple([2.0 * act] * (S - 1) + [1.0 * act - scalar])
+    assert prof.mem_w == tuple([-4.0 * act] * S)
+    assert prof.residual == (0.0,) * S
+    assert prof.memory_source == "saved-tensors" and prof.window == WINDOW
+    assert all(n == M * (WINDOW[1] - WINDOW[0]) for n in prof.samples)
+    assert all(v is not None and v > 0 for v in (*prof.f, *prof.b, *prof.w)) and prof.comm > 0
+    # The measured peak of every rank equals the simulator's prediction for the profiled plan under these deltas.
+    window_plan = plan_from_dict(switched_run[0]["window_plan"])
+    assert prof.peak_bytes == rank_peak_memory(window_plan, prof.to_stage_costs())
+
+
+def test_saved_profile_gives_the_plan_the_run_switched_to(switched_run: list[dict], tmp_path, capsys) -> None:
+    res = switched_run[0]
+    prof = Profile.from_dict(res["profile"])
+    path = tmp_path / "prof.json"
+    prof.save(path)
+    assert Profile.load(path) == prof
+    switched = plan_from_dict(res["plan"])
+    assert res["mem_limit"] == mem_limit_for_microbatches(prof, P)
+    again = regenerate(Profile.load(path), M, mem_limit=res["mem_limit"])
+    assert again.schedule == switched and again.result.makespan == res["makespan"]
+    export = tmp_path / "plan.json"
+    argv = ["simulate", "zb-auto", "-p", str(P), "-m", str(M), "--profile", str(path)]
+    assert cli.main([*argv, "--mem-limit", repr(res["mem_limit"]), "--export", str(export), "--json"]) == 0
+    assert load_plan(export) == switched
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["makespan"] == res["makespan"]
+    assert cli.main(["compare", "-p", str(P), "-m", str(M), "--profile", str(path), "--json"]) == 0
+    assert cli.main(["show", "zb-h2", "-p", str(P), "-m", str(M), "--profile", str(path), "--color", "never"]) == 0
+    capsys.readouterr()
+    assert cli.main(["simulate", "zb-auto", "-p", "4", "-m", str(M), "--profile", str(path)]) == 2
+    assert "measured with p=3" in capsys.readouterr().err
+    # Every rank switched its executor to exactly that plan.
+    lowered = lower(switched)
+    for rank, r in enumerate(switched_run):
+        assert r["steps_after_switch"] == [str(st) for st in lowered.ranks[rank]]
+        assert r["plan"] == res["plan"]
+
+
+def test_switching_at_a_boundary_matches_the_new_plan_from_the_start(switched_run: list[dict], tmp_path) -> None:
+    path = tmp_path / "switched.json"
+    save_plan(plan_from_dict(switched_run[0]["plan"]), path)
+    ref = run_multiprocess(_train_rank, P, args=(None, str(path)), timeout_s=120)
+    last = P - 1
+    assert switched_run[last]["losses"] == ref[last]["losses"]
+    assert all(len(x) == M for x in ref[last]["losses"])
+    for rank in range(P):
+        for s, params in switched_run[rank]["params"].items():
+            for a, b in zip(params, ref[rank]["params"][s], strict=True):
+                assert np.array_equal(a, b)
+
+
+def _profile(**over) -> Profile:
+    base = dict(
+        num_ranks=2,
+        stage_to_rank=(0, 1, 1, 0),
+        f=(1.0, 2.0, 3.0, 4.0),
+        b=(1.5, 2.5, 3.5, 4.5),
+        w=(0.5, 1.0, 1.5, 2.0),
+        bw=(None,) * 4,
+        comm=0.25,
+        mem_f=(10.0, 20.0, 30.0, 40.0),
+        mem_b=(1.0, 2.0, 3.0, 4.0),
+        mem_w=(-11.0, -22.0, -33.0, -44.0),
+    )
+    base.update(over)
+    return Profile(**base)
+
+
+def test_profile_costs_keep_or_regroup_stages() -> None:
+    prof = _profile()
+    same = prof.to_stage_costs()
+    assert same.f == prof.f and same.b == prof.b and same.w == prof.w and same.comm == 0.25
+    assert same.mem_w == prof.mem_w
+    # Another layout: each rank's share (rank 0: stages 0 and 3, rank 1: stages 1 and 2), spread over its chunks.
+    one = prof.to_stage_costs(chunks=1, stage_to_rank=(0, 1))
+    assert one == StageCosts.build(num_ranks=2, f=[5.0, 5.0], b=[6.0, 6.0], w=[2.5, 2.5], comm=0.25,
+                                   mem_f=[50.0, 50.0], mem_b=[5.0, 5.0])  # fmt: skip
+    assert prof.microbatch_bytes() == 55.0
+    assert mem_limit_for_microbatches(prof, 3) == 165.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        mem_limit_for_microbatches(prof, 0)
+
+
+def test_profile_without_split_backward_says_what_to_do() -> None:
+    prof = _profile(b=(None,) * 4, w=(None,) * 4, bw=(2.0, 3.0, 4.0, 5.0))
+    with pytest.raises(ValueError, match="fused BW.*zb-h1"):
+        prof.to_stage_costs()
+
+
+def test_profile_file_errors(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Profile.load(bad)
+    bad.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ValueError, match="not a profile"):
+        Profile.from_dict(json.loads(bad.read_text()))
+    d = _profile().to_dict()
+    d["f"] = [1.0]
+    with pytest.raises(ValueError, match="'f' has 1 entries"):
+        Profile.from_dict(d)
+
+
+def test_single_process_profiler_window_and_switch_errors() -> None:
+    torch.set_num_threads(1)
+    sched = generate("zb-h1", 1, 3)
+    ex = PipelineExecutor(lower(sched), 0, {0: MLPStage(0)}, p2p=None, input_fn=mlp_input, loss_fn=_loss_fn)
+    prof = ActionProfiler(ex, start_iter=1, end_iter=2)
+    ex.run(0)
+    assert not prof.times  # outside the window
+    ex.run(1)
+    ex.run(2)
+    assert len(prof.times[(sched.ranks[0][0].kind, 0)]) == 3
+    got = prof.gather()
+    assert got.samples == (3,) and got.comm == 0.0
+    assert got.peak_bytes == rank_peak_memory(sched, got.to_stage_costs()) == (4.0 * BATCH * HIDDEN * FLOAT_BYTES,)
+    with pytest.raises(ValueError, match="empty"):
+        ActionProfiler(ex, start_iter=2, end_iter=2)
+    from zb_pipeline.runtime.profiler import switch_plan
+
+    with pytest.raises(ValueError, match="must keep p=1, m=3"):
+        switch_plan(ex, generate("zb-h1", 1, 4))
