@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.ir import Schedule, loop_placement, v_placement
 
 GeneratorFn = Callable[..., Schedule]
 
@@ -87,8 +87,8 @@ def generate(
 ) -> Schedule:
     """Generate schedule ``name`` for ``p`` ranks and ``m`` microbatches.
 
-    ``costs`` defaults to uniform F = B = W = 1, T_comm = 0 with the default memory model; ``mem_limit`` is in the
-    units of the memory deltas (per rank).  Raises ``ValueError`` naming the constraint a shape violates.
+    ``costs`` defaults to F = B = W = 1 for a rank's whole share of layers (each chunk 1/chunks), T_comm = 0 and the
+    default memory model (mem_f = 1 per rank's share); ``mem_limit`` is in the units of the memory deltas (per rank).  Raises ``ValueError`` naming the constraint a shape violates.
     """
     spec = get(name)
     if num_ranks < 1:
@@ -101,7 +101,9 @@ def generate(
     if c < 1:
         raise ValueError(f"chunks={c} must be >= 1")
     if costs is None:
-        costs = StageCosts.uniform(num_ranks * c)
+        # F = B = W = 1 and mem_f = 1 for a rank's whole share (each of its chunks 1/c), as the CLI reads them.
+        placement = v_placement(num_ranks, c) if spec.placement == "v" else loop_placement(num_ranks, c)
+        costs = StageCosts.build(num_ranks=num_ranks, chunks=c, stage_to_rank=placement)
     if costs.num_stages != num_ranks * c:
         raise ValueError(
             f"costs are given for {costs.num_stages} virtual stages, but {name!r} with p={num_ranks} and "
