@@ -114,6 +114,9 @@ class PipelineExecutor:
             self._split[s] = GenericSplit(module, self.store) if generic else None
         self.handlers: dict[Kind, Handler] = dict(DEFAULT_HANDLERS)
         self.on_iteration_start: list[Callable[[PipelineExecutor], None]] = []  # hooks (e.g. emulated compute)
+        # Called for each op of a CommBatch of these kinds right after the batch was posted (e.g. RECV_PV: consume
+        # the post-validation state before the next step; ``zb_pipeline.optim.post_validation``).
+        self.after_post: dict[Kind, Handler] = {}
         # Iteration state, keyed by stage * m + microbatch.
         self._saved: dict[int, tuple[torch.Tensor | None, Any]] = {}  # F -> B: (input leaf, output root)
         self._local_act: dict[int, torch.Tensor] = {}  # input of stage s handed over from s - 1 on this rank
@@ -130,7 +133,7 @@ class PipelineExecutor:
             self.iteration = iteration
         m = self.num_microbatches
         self.losses = [None] * m
-        handlers, tracer, p2p = self.handlers, self.tracer, self.p2p
+        handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.after_post
         if tracer is not None:
             tracer.begin_iteration(self.iteration)
         if p2p is not None and p2p.check:
@@ -141,6 +144,11 @@ class PipelineExecutor:
             for step in self.steps:
                 if type(step) is CommBatch:
                     p2p.post(step, self._payload)
+                    if after_post:
+                        for a in step.actions:
+                            hook = after_post.get(a.kind)
+                            if hook is not None:
+                                hook(self, a)
                     continue
                 handler = handlers.get(step.kind)
                 if handler is None:

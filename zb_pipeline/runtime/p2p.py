@@ -43,6 +43,7 @@ from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.lowering import CommBatch, LoweredStep
 
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_SEND_PV, _RECV_PV = Kind.SEND_PV, Kind.RECV_PV
 _DATA_TAG, _ACK_TAG = 0, 1
 
 
@@ -65,6 +66,11 @@ class TensorSpec:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
+# The post-validation state a SEND_PV/RECV_PV moves: float64 [sum of squared grads, non-finite count, ranks with a
+# pending step] (``zb_pipeline.optim.post_validation``).
+POST_VALIDATION_SPEC = TensorSpec((3,), torch.float64)
+
+
 def transfer_identity(action: Action) -> tuple[int, int, int]:
     """(direction 0 forward / 1 backward, producing stage, microbatch): the same for a send and its receive."""
     kind, s, mb = action.kind, action.stage, action.microbatch
@@ -76,11 +82,18 @@ def transfer_identity(action: Action) -> tuple[int, int, int]:
         return (1, s, mb)
     if kind is _RECV_B:
         return (1, s + 1, mb)
-    raise ValueError(f"{action} is not a SEND_F/RECV_F/SEND_B/RECV_B action")
+    # Post-validation state: ``stage`` is this pipeline rank, ``microbatch`` the chain (0 forward, 1 back).
+    if kind is _SEND_PV:
+        return (2 + mb, s, 0)
+    if kind is _RECV_PV:
+        return (2 + mb, action.peer, 0)
+    raise ValueError(f"{action} is not a SEND_F/RECV_F/SEND_B/RECV_B/SEND_PV/RECV_PV action")
 
 
 def _describe_identity(ident: tuple[int, int, int]) -> str:
     d, s, mb = ident
+    if d >= 2:
+        return f"rank {s}'s post-validation state ({'partial, forward' if d == 2 else 'fully reduced, back'})"
     return f"{s}{'F' if d == 0 else 'B'}{mb}'s {'output' if d == 0 else 'input gradient'}"
 
 
@@ -131,7 +144,7 @@ class PipelineP2P:
         for step in steps:
             if isinstance(step, CommBatch):
                 for a in step.actions:
-                    is_send = a.kind is _SEND_F or a.kind is _SEND_B
+                    is_send = a.kind is _SEND_F or a.kind is _SEND_B or a.kind is _SEND_PV
                     expected.setdefault((a.peer, is_send), deque()).append(a)
         self._expected = expected
 
@@ -152,6 +165,8 @@ class PipelineP2P:
     def spec_of(self, a: Action) -> TensorSpec:
         """The shape/dtype of the tensor ``a`` moves."""
         kind = a.kind
+        if kind is _SEND_PV or kind is _RECV_PV:
+            return POST_VALIDATION_SPEC
         forward_out = kind is _SEND_F or kind is _RECV_B  # the boundary after a.stage, else the one before it
         return self.specs[a.stage if forward_out else a.stage - 1]
 
@@ -177,7 +192,7 @@ class PipelineP2P:
         acks_in: list[tuple[object, torch.Tensor, Action]] = []
         for a in batch.actions:
             kind = a.kind
-            is_send = kind is _SEND_F or kind is _SEND_B
+            is_send = kind is _SEND_F or kind is _SEND_B or kind is _SEND_PV
             if check:
                 self._check_planned(a, is_send)
             peer = self.pp_ranks[a.peer]

@@ -669,7 +669,9 @@ class WindowReplanner:
     Call ``after_iteration(iteration)`` after every ``executor.run``; at ``end_iter - 1`` it gathers the profile
     (collective over ``group``), regenerates ``name`` with the memory limit (bytes, or ``mem_limit_microbatches``
     microbatches, or ``"auto"`` for ``percentile`` % of the GPU), switches the executor and logs one line.  It
-    returns the ``Replan`` then (the trainer updates its own copies of the plan), ``None`` otherwise.
+    returns the ``Replan`` then (the trainer updates its own copies of the plan), ``None`` otherwise.  Every rank
+    of the job calls it: the profile of global rank ``broadcast_src`` (one collective over the default group) and
+    the smallest memory limit are used everywhere, so all tensor- and data-parallel replicas switch to one plan.
     """
 
     executor: PipelineExecutor
@@ -682,6 +684,7 @@ class WindowReplanner:
     group: Any = None
     save_path: str | None = None
     log: Callable[[str], None] = print
+    broadcast_src: int | None = 0  # global rank whose profile every rank adopts (None: keep the group's own)
     profiler: ActionProfiler | None = field(default=None, init=False)
     profile: Profile | None = field(default=None, init=False)
     replan: Replan | None = field(default=None, init=False)
@@ -706,8 +709,8 @@ class WindowReplanner:
         if iteration != self.end_iter - 1 or self.replan is not None:
             return None
         profile = self.profiler.gather(group=self.group)
+        profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
         self.profile = profile
-        limit = self.resolve_mem_limit(profile)
         replan = regenerate(profile, self.executor.num_microbatches, name=self.name, mem_limit=limit)
         switch_plan(self.executor, replan.schedule)
         self.replan = replan
@@ -717,6 +720,22 @@ class WindowReplanner:
         if rank0:
             self.log(replan.summary())
         return replan
+
+    def _agree(self, profile: Profile, limit: float | None) -> tuple[Profile, float | None]:
+        """Every rank of the job must switch to the same plan (tensor- and data-parallel peers run their
+        collectives in plan order): take global rank ``broadcast_src``'s profile and the smallest memory limit."""
+        import torch
+        import torch.distributed as dist
+
+        if self.broadcast_src is None or not (dist.is_available() and dist.is_initialized()):
+            return profile, limit
+        box: list[Any] = [profile.to_dict()]
+        dist.broadcast_object_list(box, src=self.broadcast_src)
+        if limit is not None or self.mem_limit == "auto":
+            t = torch.tensor([math.inf if limit is None else limit], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            limit = None if math.isinf(float(t)) else float(t)
+        return Profile.from_dict(box[0]), limit
 
 
 def profile_is_finite(profile: Profile) -> bool:

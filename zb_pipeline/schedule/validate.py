@@ -40,6 +40,7 @@ from zb_pipeline.schedule.lowering import (
 )
 
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
+_SEND_PV, _RECV_PV = Kind.SEND_PV, Kind.RECV_PV
 _F, _B, _BW = Kind.F, Kind.B, Kind.BW
 _MAX_STUCK_LISTED = 4
 
@@ -376,7 +377,9 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
     # Each op: right rank and peer, a send after its producer, a receive before its consumer, nothing twice.
     # (Fast path here; _bad_op says what exactly is wrong.)
     big = 1 << 32
-    sent, recvd = [-1] * (S * m * 2), [-1] * (S * m * 2)  # transfer id -> rank * big + step
+    # Transfer ids: hand-offs first, then the post-validation chain links (2 chains x p source ranks).
+    pv_base = S * m * 2
+    sent, recvd = [-1] * (pv_base + 2 * p), [-1] * (pv_base + 2 * p)  # transfer id -> rank * big + step
     sends = [[[] for _ in range(p)] for _ in range(p)]  # [src][dst] -> [(transfer id, step, slot)] in order
     recvs = [[[] for _ in range(p)] for _ in range(p)]  # [src][dst] -> [(transfer id, step, slot)] in order
     partner: list[list[list | None]] = [[None] * len(steps) for steps in lowered.ranks]
@@ -390,6 +393,13 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
                 if type(a) is not Action:
                     raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
                 kind, s, mb, peer = a.kind, a.stage, a.microbatch, a.peer
+                if kind is _SEND_PV or kind is _RECV_PV:
+                    _check_pv_op(lowered, r, j, a, sent if kind is _SEND_PV else recvd, pv_base)
+                    is_send = kind is _SEND_PV
+                    tid = pv_base + mb * p + (r if is_send else peer)
+                    (sent if is_send else recvd)[tid] = r * big + j
+                    (sends_r[peer] if is_send else recvs[peer][r]).append((tid, j, slot))
+                    continue
                 sm = s * m + mb
                 if kind is _SEND_F:
                     other, tid, data, is_send = s + 1, sm * 2, fstep, True
@@ -440,6 +450,8 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
                     msg = f"rank {q} step {j} ({lowered.ranks[q][j]}): no {s - 1}RECV_B{mb}@{r} receives its gradient"
                     raise _fail(lowered, msg, q, j)
 
+    _check_pv_complete(lowered, sent, recvd, pv_base)
+
     # Order: the k-th send from src to dst is matched with the k-th receive at dst from src.  (Both lists have the
     # same length here: every transfer has exactly one send and one receive.)
     for src in range(p):
@@ -459,6 +471,40 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
     _simulate_strict(lowered, partner)
 
 
+def _check_pv_op(lowered: LoweredSchedule, r: int, j: int, a: Action, seen: list[int], pv_base: int) -> None:
+    """A post-validation op (``post_validation_pass``): its own rank, a neighbour in the chain's direction, once."""
+    p = lowered.schedule.num_ranks
+    chain, peer = a.microbatch, a.peer
+    if a.stage != r:
+        raise _fail(lowered, f"rank {r} step {j} ({a}): a post-validation op names its own rank {r} as stage", r, j)
+    if chain not in (0, 1):
+        raise _fail(lowered, f"rank {r} step {j} ({a}): the chain must be 0 (forward partial) or 1 (back)", r, j)
+    # Forward chain: send to r + 1, receive from r - 1; back chain: the other way.
+    downstream = (chain == 0) == (a.kind is _SEND_PV)
+    want = r + 1 if downstream else r - 1
+    if peer != want or not 0 <= want < p:
+        raise _fail(lowered, f"rank {r} step {j} ({a}): the post-validation chain links rank {r} to rank {want}", r, j)
+    src = r if a.kind is _SEND_PV else peer
+    if seen[pv_base + chain * p + src] >= 0:
+        raise _fail(lowered, f"rank {r} step {j} ({a}): duplicate post-validation op", r, j)
+
+
+def _check_pv_complete(lowered: LoweredSchedule, sent: list[int], recvd: list[int], pv_base: int) -> None:
+    """Either no post-validation chain at all, or every link of both chains with one send and one receive."""
+    p = lowered.schedule.num_ranks
+    links = [(chain, src) for chain in (0, 1) for src in (range(p - 1) if chain == 0 else range(1, p))]
+    present = [sent[pv_base + c * p + s] >= 0 or recvd[pv_base + c * p + s] >= 0 for c, s in links]
+    if not any(present):
+        return
+    for c, src in links:
+        dst = src + 1 if c == 0 else src - 1
+        tid = pv_base + c * p + src
+        if sent[tid] < 0:
+            raise _fail(lowered, f"rank {src}: no {src}SEND_PV{c}@{dst} (the post-validation chain is incomplete)", src)
+        if recvd[tid] < 0:
+            raise _fail(lowered, f"rank {dst}: no {dst}RECV_PV{c}@{src} (the post-validation chain is incomplete)", dst)
+
+
 def _bad_op(
     lowered: LoweredSchedule, r: int, j: int, a: object, fstep: list[int], gstep: list[int], sent: list, recvd: list
 ) -> ScheduleError:
@@ -470,7 +516,7 @@ def _bad_op(
         return _fail(lowered, f"rank {r} step {j} ({a}): {reason}", r, j)
 
     if not isinstance(a, Action) or a.kind not in COMM_KINDS:
-        return bad("a CommBatch holds only SEND_F/RECV_F/SEND_B/RECV_B actions")
+        return bad("a CommBatch holds only SEND_F/RECV_F/SEND_B/RECV_B (and SEND_PV/RECV_PV) actions")
     kind, s, mb, peer = a.kind, a.stage, a.microbatch, a.peer
     if s >= S or mb >= m:
         return bad(f"stage or microbatch out of range ({S=}, {m=})")

@@ -375,32 +375,48 @@ def fill_counts(m: int, costs: StageCosts, *, round_up: bool) -> tuple[int, ...]
 def lower_bound(m: int, st: StageArrays) -> float:
     """A makespan no plan can beat under ``st`` (costs and caps): the search stops when it reaches it.
 
-    Rank r's span is its work ``m (F_r + B_r + W_r)`` plus two idle times that no order avoids:
+    Two bounds on the span of each rank r, valid for every order (``n_r`` below: how many microbatches the rank
+    can hold; a W frees what its F and B took):
 
-    - *head*: its first B waits for the gradient of microbatch 0, which needs ``window_r = sum_{q>=r} F_q +
-      sum_{q>r} B_q + 2 (p-1-r) c`` after the rank's first F; before it the rank can only run forwards, at most
-      ``n_r`` of them (``n_r mem_f + max(0, mem_b) <= cap``, and at most m);
-    - *tail*: between the start of its last F and the start of its last B the same ``window_r`` passes; in it the
-      rank can run that F and the B and W of the at most ``n_r - 1`` other microbatches it holds (needs the
-      memory model where a W frees what its F and B took and ``mem_b >= 0``; otherwise only the head counts).
-
-    The two intervals are disjoint when ``m > n_r`` (the last F cannot run before the first B).  At F = B = W and
-    c = 0 with a limit of p microbatches this is exactly ZB-H1's makespan, which is therefore optimal there.
+    - *own work and unavoidable idle*: its work ``m (F_r + B_r + W_r)``, plus the *head* -- its first B waits for
+      the gradient of microbatch 0, ``window_r = sum_{q>=r} F_q + sum_{q>r} B_q + 2 (p-1-r) c`` after its first F,
+      and until then it can only run forwards, at most ``n_r`` (with room for the B) -- plus the *tail*: between
+      the start of its last F and the start of its last B the same window passes, and in it the rank can only run
+      that F and the B and W of the other ``n_r - 1`` microbatches it holds (head and tail are disjoint when
+      ``m > n_r``; else the larger counts);
+    - *a bottleneck downstream*: for every rank q > r, microbatch 0 needs ``sum_{r<=s<q} (F_s + c)`` to reach q,
+      q then runs all its F and B and all but at most ``n_q`` of its W before its last B ends, the gradient needs
+      ``sum_{r<=s<q} B_s + (q - r) c`` back (B_r included), and rank r still runs ``W_r``.  With F = B and c = 0
+      this is ZB-H1's makespan at a limit of p microbatches and ZB-H2's at 2p - 1: both are optimal there.
     """
     p = len(st.f)
     c = st.comm
+
+    def held(r: int, need_b_room: bool) -> int:
+        mf, mb, mw = st.mem_f[r], st.mem_b[r], st.mem_w[r]
+        if need_b_room:  # forwards before the first B, with room for that B
+            return m if mf <= 0 else max(1, min(m, math.floor((st.cap[r] - max(0.0, mb)) / mf + 1e-9)))
+        # microbatches resident at once: only bounded when a W frees exactly what its F and B took
+        if mf + mb <= 0 or mb < 0 or abs(mw + mf + mb) > 1e-12 * max(1.0, mf + mb):
+            return m
+        return max(1, min(m, math.floor(st.cap[r] / (mf + mb) + 1e-9)))
+
+    hold = [held(q, False) for q in range(p)]
     best = 0.0
     for r in range(p):
-        f, b, w, mf, mb = st.f[r], st.b[r], st.w[r], st.mem_f[r], st.mem_b[r]
+        f, b, w = st.f[r], st.b[r], st.w[r]
         window = sum(st.f[r:]) + sum(st.b[r + 1 :]) + 2 * (p - 1 - r) * c
-        n = m if mf <= 0 else max(1, min(m, math.floor((st.cap[r] - max(0.0, mb)) / mf + 1e-9)))
+        n = held(r, True)
         head = max(0.0, window - n * f)
-        tail = 0.0
-        if mf > 0 and mb >= 0 and abs(st.mem_w[r] + mf + mb) <= 1e-12 * max(1.0, mf + mb):
-            held = max(1, min(m, math.floor(st.cap[r] / mf + 1e-9)))
-            tail = max(0.0, window - f - (held - 1) * (b + w))
+        tail = 0.0 if hold[r] >= m else max(0.0, window - f - (hold[r] - 1) * (b + w))
         idle = head + tail if m > n else max(head, tail)
         best = max(best, m * (f + b + w) + idle)
+        down = up = 0.0  # sum_{r<=s<q} (F_s + c) and sum_{r<=s<q} (B_s + c)
+        for q in range(r + 1, p):
+            down += st.f[q - 1] + c
+            up += st.b[q - 1] + c
+            bq = m * (st.f[q] + st.b[q]) + (m - min(m, hold[q])) * st.w[q]
+            best = max(best, down + bq + up + w)
     return best
 
 

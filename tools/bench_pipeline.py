@@ -1,0 +1,769 @@
+"""Our pipeline runtime against the simulator, and every schedule against 1F1B: emulated and real compute.
+
+    python tools/bench_pipeline.py [--out bench/results] [--quick] [--parts emulated,real]
+                                   [--runs 10] [--m 4 8] [--p 4 8] [--emulated-m 16 32]
+
+(a) emulated compute (``zb_pipeline.runtime.emulate``: every F, B, W sleeps its cost, with real gloo P2P):
+    p in {4, 8}, m in {16, 32}, F = B = 20 ms, W = 10 ms, OPT = 5 ms, every schedule.  The measured span of an
+    iteration (the slowest rank's first compute start to last compute end, from the trace) against the simulator's
+    makespan with T_comm = the measured gloo latency; the measured speed-up over 1F1B against the simulated one; the
+    whole iteration (optimizer step included).
+(b) real compute: a small GPT (``megatron.model``) on CPU, pp = 2, m in {4, 8}, one thread per rank, every schedule
+    (zb-auto planned from the profile of this very run), plus torch.distributed.pipelining's schedules on the same
+    blocks when ``tools/bench_torch_pipelining.py`` is importable; >= 10 alternated runs each; median tokens/s and
+    a bootstrap 95% interval of the ratio to 1F1B.
+(c) prediction: the profiler's per-stage costs (``zb_pipeline.runtime.profiler``, from a split-backward schedule of
+    the same layout) fed to the simulator, against the measured span of every schedule.
+(d) memory: the measured peak activation bytes per rank (saved-tensor bytes, see the profiler) against the
+    simulator's prediction under the profiled memory deltas, and against 1F1B's peak.
+
+Writes ``pipeline.md``, ``pipeline.json`` and ``pipeline_*.png`` under ``--out`` with the machine, versions, load
+average and settings.  On a multi-GPU node use ``examples/benchmark_zb_vs_1f1b.sh`` (torchrun, NCCL), which runs
+part (b)/(c)/(d) of this script with ``--launcher torchrun``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for path in (REPO, os.path.join(REPO, "tools")):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+from megatron.model import build_gpt_stages  # noqa: E402
+from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
+from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
+from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
+from zb_pipeline.runtime.profiler import ActionProfiler, Profile, costs_for, measure_p2p_latency, regenerate  # noqa: E402
+from zb_pipeline.runtime.trace import Tracer  # noqa: E402
+from zb_pipeline.runtime.weight_grad_store import WeightGradStore  # noqa: E402
+from zb_pipeline.schedule import registry  # noqa: E402
+from zb_pipeline.schedule.costs import StageCosts  # noqa: E402
+from zb_pipeline.schedule.ir import Schedule  # noqa: E402
+from zb_pipeline.schedule.lowering import lower  # noqa: E402
+from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict  # noqa: E402
+from zb_pipeline.schedule.simulate import rank_peak_memory, simulate  # noqa: E402
+from zb_pipeline.testing import run_multiprocess  # noqa: E402
+
+try:  # BENCH's peer benchmark: the same GPT blocks, its alternated timing and bootstrap
+    import bench_torch_pipelining as tp_bench
+except Exception:  # pragma: no cover - depends on the checkout
+    tp_bench = None
+
+EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)
+EMU_SPEC = (4, 16)
+# Split-backward schedule whose profile plans each layout (placement, chunks).
+LAYOUT_PROFILER = {("loop", 1): "zb-h1", ("loop", 2): "interleaved-zb", ("v", 2): "zb-v"}
+SPEEDUP_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
+
+
+def all_schedules() -> list[str]:
+    return registry.available()
+
+
+def layout_of(name: str) -> tuple[str, int]:
+    spec = registry.get(name)
+    return spec.placement, spec.default_chunks
+
+
+def environment() -> dict[str, Any]:
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    return {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "system": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "load_average": load,
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def bootstrap_ratio(times: Sequence[float], base: Sequence[float], *, samples: int = 2000, seed: int = 0):
+    """``median(base) / median(times)`` (throughput ratio) and its bootstrap 95% interval, runs paired by round."""
+    if tp_bench is not None:
+        return tp_bench.bootstrap_ratio_ci(times, base, samples=samples, seed=seed)
+    a, b = np.asarray(times, float), np.asarray(base, float)
+    n = min(len(a), len(b))
+    idx = np.random.default_rng(seed).integers(0, n, size=(samples, n))
+    r = np.median(b[:n][idx], axis=1) / np.median(a[:n][idx], axis=1)
+    lo, hi = np.percentile(r, [2.5, 97.5])
+    return float(np.median(b) / np.median(a)), float(lo), float(hi)
+
+
+def _compute_span_ms(tracer: Tracer, iteration: int) -> float:
+    evs = [
+        e
+        for e in tracer.events
+        if e.get("tid") == 0 and e.get("cat") in ("F", "B", "W", "BW") and e["args"]["iteration"] == iteration
+    ]
+    if not evs:
+        return 0.0
+    return (max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)) / 1e3
+
+
+# ------------------------------------------------------------------------------------------ (a) emulated compute
+def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
+    torch.set_num_threads(1)
+    specs_shape = EMU_SPEC
+    latency = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
+    out = {"latency_ms": latency, "cases": {}}
+    for name, m in cases:
+        sched = registry.generate(name, world, m)
+        specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
+        tracer = Tracer(rank)
+        p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
+        stages = {s: torch.nn.Identity() for s in sched.stages_of(rank)}
+        ex = PipelineExecutor(
+            lower(sched), rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda o, mb: None, tracer=tracer
+        )
+        emu = EmulatedCompute(EMU_COSTS, chunks=sched.chunks, boundary_specs=specs)
+        emu.install(ex)
+        spans, iters = [], []
+        for it in range(iterations):
+            tracer.align()
+            t0 = time.perf_counter()
+            ex.run(it)
+            emu.optimizer_step()
+            iters.append((time.perf_counter() - t0) * 1e3)
+            spans.append(_compute_span_ms(tracer, it))
+            tracer.events.clear()
+        out["cases"][f"{name}/{m}"] = {"spans": spans, "iterations": iters}
+    dist.barrier()
+    return out
+
+
+def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Callable[[str], None]) -> dict:
+    rows = []
+    latencies = {}
+    for p in ps:
+        cases = []
+        for m in ms:
+            for name in all_schedules():
+                try:
+                    registry.generate(name, p, m)
+                except ValueError as err:
+                    log(f"  emulated p={p} m={m}: {name} skipped ({str(err).splitlines()[0]})")
+                    continue
+                cases.append((name, m))
+        log(f"(a) emulated compute, p={p}: {len(cases)} runs of {iterations} iterations")
+        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations), timeout_s=1800)
+        lat = statistics.median(r["latency_ms"] for r in res)
+        latencies[p] = lat
+        for name, m in cases:
+            key = f"{name}/{m}"
+            # skip the first iteration (warm-up); per iteration the slowest rank, then the median over iterations
+            its = range(1 if iterations > 1 else 0, iterations)
+            span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
+            whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
+            sched = registry.generate(name, p, m)
+            costs = StageCosts.build(
+                num_ranks=p,
+                chunks=sched.chunks,
+                stage_to_rank=sched.stage_to_rank,
+                f=EMU_COSTS.f_ms,
+                b=EMU_COSTS.b_ms,
+                w=EMU_COSTS.w_ms,
+                comm=lat,
+            )
+            sim = simulate(sched, costs)
+            rows.append(
+                {
+                    "p": p,
+                    "m": m,
+                    "schedule": name,
+                    "measured_span_ms": span,
+                    "simulated_ms": sim.makespan,
+                    "error": span / sim.makespan - 1,
+                    "iteration_ms": whole,
+                    "simulated_bubble": sim.bubble_rate,
+                }
+            )
+            err = span / sim.makespan - 1
+            log(f"  p={p} m={m} {name:<16} span {span:8.1f} ms  sim {sim.makespan:8.1f} ms  ({err:+.1%})")
+    for row in rows:
+        base = next((r for r in rows if r["p"] == row["p"] and r["m"] == row["m"] and r["schedule"] == "1f1b"), None)
+        if base is not None:
+            row["speedup"] = base["measured_span_ms"] / row["measured_span_ms"]
+            row["simulated_speedup"] = base["simulated_ms"] / row["simulated_ms"]
+    return {"rows": rows, "latency_ms": latencies, "costs_ms": asdict(EMU_COSTS)}
+
+
+# ------------------------------------------------------------------------------------ (b, c, d) real compute
+class _Real:
+    """One rank's GPT stages per layout and an executor per schedule (schedules of a layout share stages)."""
+
+    def __init__(self, rank: int, world: int, model: Any, m: int, device: str = "cpu") -> None:
+        self.rank, self.world, self.model, self.m, self.device = rank, world, model, m, torch.device(device)
+        g = torch.Generator().manual_seed(7)
+        t = torch.randint(0, model.vocab_size, (m * model.micro_batch, model.seq_length + 1), generator=g)
+        self.tokens, self.labels = t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)
+        self.layouts: dict[tuple[str, int], tuple[dict[int, torch.nn.Module], WeightGradStore]] = {}
+
+    def _mb(self, tensor: torch.Tensor, mb: int) -> torch.Tensor:
+        b = self.model.micro_batch
+        return tensor[mb * b : (mb + 1) * b]
+
+    def executor(self, sched: Schedule, *, tracer: Tracer | None = None) -> PipelineExecutor:
+        layout = (sched.placement, sched.chunks)
+        S = sched.num_stages
+        if layout not in self.layouts:
+            cfg = self.model.gpt_config()
+            mine = sched.stages_of(self.rank)
+            mods = build_gpt_stages(cfg, S, stages=list(mine), seed=self.model.seed)
+            mods = [mod.to(self.device) for mod in mods]
+            self.layouts[layout] = (dict(zip(mine, mods)), WeightGradStore())
+        stages, store = self.layouts[layout]
+        cfg = self.model.gpt_config()
+        specs = [TensorSpec((cfg.seq_length, self.model.micro_batch, cfg.hidden_size))] * (S - 1)
+        p2p = PipelineP2P(pp_rank=self.rank, boundary_specs=specs, timeout_s=300, tracer=tracer, device=self.device)
+        m = self.m
+
+        def forward_fn(module: torch.nn.Module, x: torch.Tensor, s: int, mb: int) -> torch.Tensor:
+            if s == S - 1:
+                return module(x, labels=self._mb(self.labels, mb))
+            return module(x)
+
+        def loss_fn(out: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+            loss = out.mean()
+            return loss / m, loss
+
+        return PipelineExecutor(
+            lower(sched),
+            self.rank,
+            stages,
+            p2p=p2p,
+            store=store,
+            input_fn=lambda mb: self._mb(self.tokens, mb),
+            loss_fn=loss_fn,
+            forward_fn=forward_fn,
+            tracer=tracer,
+        )
+
+    def zero_grad(self, sched: Schedule) -> None:
+        for mod in self.layouts[(sched.placement, sched.chunks)][0].values():
+            for prm in mod.parameters():
+                prm.grad = None
+
+
+def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torch_names: list[str], warmup: int,
+               profile_iters: int, runs: int, device: str = "cpu") -> dict:  # fmt: skip
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    real = _Real(rank, world, model, m, device)
+    # 1. Profile one split-backward schedule per layout; plan zb-auto from the loop layout's profile.
+    profiles: dict[tuple[str, int], Profile] = {}
+    layouts = sorted({layout_of(n) for n in names})
+    for layout in layouts:
+        pname = LAYOUT_PROFILER[layout]
+        sched = registry.generate(pname, world, m)
+        ex = real.executor(sched)
+        prof = ActionProfiler(ex, start_iter=warmup, end_iter=warmup + profile_iters)
+        for it in range(warmup + profile_iters):
+            real.zero_grad(sched)
+            ex.run(it)
+        profiles[layout] = prof.gather()
+    plans: dict[str, Schedule] = {}
+    for name in names:
+        if name == "zb-auto":
+            plans[name] = regenerate(profiles[layout_of(name)], m, name="zb-auto").schedule
+        else:
+            plans[name] = registry.generate(name, world, m)
+    # 2. Every schedule: a profiled window for its measured peak memory, then the alternated timed runs.
+    executors, tracers, profilers, steps = {}, {}, {}, {}
+    for name, sched in plans.items():
+        tracer = Tracer(rank)
+        ex = real.executor(sched, tracer=tracer)
+        ex.p2p.tracer = tracer
+        profilers[name] = ActionProfiler(ex, start_iter=0, end_iter=profile_iters)
+        for it in range(profile_iters):
+            real.zero_grad(sched)
+            ex.run(it)
+        tracer.events.clear()
+        executors[name], tracers[name] = ex, tracer
+
+        def step(name: str = name, ex: PipelineExecutor = ex, sched: Schedule = sched) -> None:
+            real.zero_grad(sched)
+            ex.run()
+
+        steps[name] = step
+    if torch_names and tp_bench is not None and device == "cpu":
+        steps.update(tp_bench.torch_schedule_steps(rank, world, model, torch_names, m))
+    times = _time_alternated(steps, warmup=1, runs=runs, cuda=device != "cpu")
+    spans, durations = {}, {}
+    for name, tracer in tracers.items():
+        its = sorted({e["args"]["iteration"] for e in tracer.events if "args" in e})
+        spans[name] = [_compute_span_ms(tracer, it) for it in its]
+        per: dict[str, list[float]] = {}
+        for e in tracer.events:
+            if e.get("tid") == 0 and e.get("cat") in ("F", "B", "W", "BW"):
+                per.setdefault(f"{e['cat']}{e['args']['stage']}", []).append(e["dur"] / 1e3)
+        durations[name] = {k: statistics.median(v) for k, v in per.items()}
+    peaks = {name: prof.local_summary()["peak"] for name, prof in profilers.items()}
+    dist.barrier()
+    return {
+        "times": times,
+        "spans": spans,
+        "durations": durations,
+        "peaks": peaks,
+        "profiles": {f"{k[0]}/{k[1]}": v.to_dict() for k, v in profiles.items()},
+        "plans": {n: plan_to_dict(s) for n, s in plans.items()},
+    }
+
+
+def _time_alternated(
+    steps: dict[str, Callable[[], None]], *, warmup: int, runs: int, cuda: bool = False
+) -> dict[str, list[float]]:
+    """``warmup`` iterations of each, then ``runs`` rounds in a rotating order; each timed between barriers as the
+    slowest rank's time (BENCH's ``time_alternated`` on CPU, the same with a device sync on GPU)."""
+    if tp_bench is not None and not cuda:
+        return tp_bench.time_alternated(steps, warmup=warmup, runs=runs)
+    names = list(steps)
+    for n in names:
+        for _ in range(warmup):
+            steps[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(runs):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[n]()
+            if cuda:
+                torch.cuda.synchronize()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cuda" if cuda else "cpu")
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            times[n].append(float(dt))
+    return times
+
+
+def _schedules_for(pp: int, m: int, log: Callable[[str], None]) -> list[str]:
+    names = []
+    for name in all_schedules():
+        try:
+            registry.generate(name, pp, m)
+            names.append(name)
+        except ValueError as err:
+            log(f"  real pp={pp} m={m}: {name} skipped ({str(err).splitlines()[0]})")
+    return names
+
+
+def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], log: Callable[[str], None],
+             *, warmup: int = 2, profile_iters: int = 3, pp: int = 2) -> dict:  # fmt: skip
+    out: dict[str, Any] = {"pp": pp, "model": asdict(model), "runs": runs, "device": "cpu", "by_m": {}}
+    for m in ms:
+        names = _schedules_for(pp, m, log)
+        log(f"(b) real compute pp={pp} m={m}: {len(names)} of ours + {len(torch_names)} of torch's, {runs} runs each")
+        res = run_multiprocess(
+            _real_rank, pp, args=(model, m, names, torch_names, warmup, profile_iters, runs), timeout_s=3600
+        )
+        out["by_m"][str(m)] = aggregate_real(res, model, m, log)
+    return out
+
+
+def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], None]) -> dict:
+    """Rows of (b), (c), (d) for one m from every rank's ``_real_rank`` result."""
+    if True:
+        tokens = m * model.micro_batch * model.seq_length
+        times = res[0]["times"]
+        base = times["1f1b"]
+        rows = []
+        profiles = {k: Profile.from_dict(v) for k, v in res[0]["profiles"].items()}
+        for name, ts in times.items():
+            ratio, lo, hi = bootstrap_ratio(ts, base)
+            row: dict[str, Any] = {
+                "schedule": name,
+                "median_ms": statistics.median(ts) * 1e3,
+                "tokens_per_s": tokens / statistics.median(ts),
+                "ratio": ratio,
+                "ratio_lo": lo,
+                "ratio_hi": hi,
+                "runs": len(ts),
+            }
+            if name in res[0]["plans"]:
+                sched = plan_from_dict(res[0]["plans"][name])
+                layout = (sched.placement, sched.chunks)
+                prof = profiles[f"{layout[0]}/{layout[1]}"]
+                _, costs = costs_for(prof, name if name != "zb-auto" else "zb-auto", chunks=sched.chunks)
+                sim = simulate(sched, costs)
+                n_it = min(len(r["spans"][name]) for r in res)
+                span = statistics.median(max(r["spans"][name][i] for r in res) for i in range(n_it))
+                peaks = [r["peaks"][name] for r in res]
+                pred = rank_peak_memory(sched, costs)
+                traced = simulate(
+                    sched, _trace_costs(costs, {k: v for r in res for k, v in r["durations"][name].items()})
+                )
+                row.update(
+                    measured_span_ms=span,
+                    predicted_span_ms=sim.makespan,
+                    prediction_error=sim.makespan / span - 1,
+                    trace_fed_ms=traced.makespan,
+                    trace_fed_error=traced.makespan / span - 1,
+                    simulated_bubble=sim.bubble_rate,
+                    peak_bytes=peaks,
+                    predicted_peak_bytes=list(pred),
+                    memory_error=max(abs(p / q - 1) if q else 0.0 for p, q in zip(peaks, pred)),
+                )
+            rows.append(row)
+        one = next(r for r in rows if r["schedule"] == "1f1b")
+        for r in rows:
+            if "peak_bytes" in r:
+                r["peak_vs_1f1b"] = max(r["peak_bytes"]) / max(one["peak_bytes"])
+            log(
+                f"  m={m} {r['schedule']:<22} {r['tokens_per_s']:9.0f} tok/s  x{r['ratio']:.3f} "
+                f"[{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}]"
+                + (
+                    f"  span {r['measured_span_ms']:.1f} pred {r['predicted_span_ms']:.1f} ms "
+                    f"({r['prediction_error']:+.1%})  peak {max(r['peak_bytes']) / 2**20:.2f} MiB "
+                    f"(pred err {r['memory_error']:.1%})"
+                    if "peak_bytes" in r
+                    else ""
+                )
+            )
+        return {"rows": rows, "profiles": res[0]["profiles"], "latency_ms": profiles["loop/1"].comm}
+
+
+def _trace_costs(costs: StageCosts, durations: dict[str, float]) -> StageCosts:
+    """``costs`` with F/B/W replaced by the medians of the timed runs' own actions (a fused BW split in the
+    profile's B : W proportion); separates the simulator's error from load drift between profile and runs."""
+    f, b, w = list(costs.f), list(costs.b), list(costs.w)
+    for s in range(costs.num_stages):
+        f[s] = durations.get(f"F{s}", f[s])
+        if f"BW{s}" in durations:
+            share = b[s] / (b[s] + w[s])
+            b[s], w[s] = durations[f"BW{s}"] * share, durations[f"BW{s}"] * (1 - share)
+        else:
+            b[s], w[s] = durations.get(f"B{s}", b[s]), durations.get(f"W{s}", w[s])
+    clean = [[max(v, 1e-6) for v in x] for x in (f, b, w)]
+    return StageCosts(tuple(clean[0]), tuple(clean[1]), tuple(clean[2]), costs.comm, costs.mem_f, costs.mem_b,
+                      costs.mem_w)  # fmt: skip
+
+
+def _f_b_w_ratio(profile: dict) -> str:
+    p = Profile.from_dict(profile)
+    f, b, w = sum(p.f), sum(v or 0 for v in p.b), sum(v or 0 for v in p.w)
+    return f"F : B : W = 1 : {b / f:.2f} : {w / f:.2f} (sums over stages: {f:.1f} / {b:.1f} / {w:.1f} ms)"
+
+
+# ------------------------------------------------------------------------------------------------- reporting
+def to_markdown(report: dict[str, Any]) -> str:
+    env, st = report["environment"], report["settings"]
+    lines = [
+        "# Pipeline runtime benchmark",
+        "",
+        f"`python tools/bench_pipeline.py {' '.join(st['argv'])}` on {env['machine']}, {env['cpus']} CPUs, "
+        f"{env['system']}; Python {env['python']}, torch {env['torch']}, numpy {env['numpy']}; {env['date']}.",
+        f"Load average at start {env['load_average']}, at end {report.get('load_average_end')} (a shared machine: "
+        "other jobs ran at the same time, so absolute times are noisy; alternated runs share the noise).",
+        "",
+    ]
+    emu = report.get("emulated")
+    if emu:
+        c = emu["costs_ms"]
+        lat = ", ".join(f"p={p}: {v:.3f} ms" for p, v in emu["latency_ms"].items())
+        lines += [
+            "## (a) Emulated compute: runtime vs simulator",
+            "",
+            f"F = {c['f_ms']:g} ms, B = {c['b_ms']:g} ms, W = {c['w_ms']:g} ms per rank's share, optimizer step "
+            f"{c['opt_ms']:g} ms; T_comm in the simulation = measured gloo one-way latency ({lat}). "
+            f"Span: the slowest rank's first compute start to last compute end (trace), median over iterations "
+            f"after the first. Targets: span within 3% of the makespan; speed-up within 2 points of the simulated.",
+            "",
+            "| p | m | schedule | measured span ms | simulated ms | error | speed-up vs 1F1B (measured / simulated) "
+            "| iteration incl. OPT ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in emu["rows"]:
+            sp = "-"
+            if "speedup" in r:
+                gap = (r["speedup"] - r["simulated_speedup"]) * 100
+                sp = f"{r['speedup']:.3f} / {r['simulated_speedup']:.3f} ({gap:+.1f} pt)"
+            lines.append(
+                f"| {r['p']} | {r['m']} | {r['schedule']} | {r['measured_span_ms']:.1f} | {r['simulated_ms']:.1f} "
+                f"| {r['error']:+.1%} | {sp} | {r['iteration_ms']:.1f} |"
+            )
+        errs = [abs(r["error"]) for r in emu["rows"]]
+        pts = [
+            abs(r["speedup"] - r["simulated_speedup"]) * 100 for r in emu["rows"] if r["schedule"] in SPEEDUP_SCHEDULES
+        ]
+        lines += [
+            "",
+            f"Largest span error {max(errs):.1%} (median {statistics.median(errs):.1%}); largest speed-up gap of "
+            f"ZB-H1/ZB-H2/zb-auto {max(pts, default=0):.1f} points.",
+            "",
+            "![emulated](pipeline_emulated.png)",
+            "",
+        ]
+    real = report.get("real")
+    if real:
+        mdl = real["model"]
+        lines += [
+            "## (b) Real compute: tokens/s of every schedule (small GPT on CPU)",
+            "",
+            f"GPT with {mdl['num_layers']} layers, hidden {mdl['hidden_size']}, {mdl['num_attention_heads']} heads, "
+            f"sequence {mdl['seq_length']}, vocabulary {mdl['vocab_size']}, micro-batch {mdl['micro_batch']}; "
+            f"pp = {real['pp']}, gloo, one thread per rank, {real['runs']} alternated runs of each schedule (rounds "
+            "rotate the order), an iteration timed between barriers as the slowest rank's time, forward + backward "
+            "without the optimizer step. Ratio = tokens/s over 1F1B's, median with a bootstrap 95% interval. "
+            "`torch:*` rows are torch.distributed.pipelining's schedules on the same blocks in the same alternation. "
+            "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x.",
+            "",
+        ]
+        for m, block in real["by_m"].items():
+            prof = block["profiles"].get("loop/1")
+            lines += [
+                f"### m = {m}",
+                "",
+                f"Profiled (zb-h1, loop layout): {_f_b_w_ratio(prof)}; P2P latency {block['latency_ms']:.3f} ms.",
+                "",
+                "| schedule | tokens/s | ratio to 1F1B [95% CI] | measured span ms | predicted ms | pred. error "
+                "| trace-fed ms (error) | peak act. MiB per rank | predicted MiB | mem. error | peak / 1F1B |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in block["rows"]:
+                extra = "| - | - | - | - | - | - | - | - |"
+                if "peak_bytes" in r:
+                    extra = (
+                        f"| {r['measured_span_ms']:.1f} | {r['predicted_span_ms']:.1f} | {r['prediction_error']:+.1%} "
+                        f"| {r['trace_fed_ms']:.1f} ({r['trace_fed_error']:+.1%}) "
+                        f"| {', '.join(f'{v / 2**20:.2f}' for v in r['peak_bytes'])} "
+                        f"| {', '.join(f'{v / 2**20:.2f}' for v in r['predicted_peak_bytes'])} "
+                        f"| {r['memory_error']:.1%} | {r['peak_vs_1f1b']:.2f} |"
+                    )
+                lines.append(
+                    f"| {r['schedule']} | {r['tokens_per_s']:.0f} | {r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
+                    f"{r['ratio_hi']:.3f}] {extra}"
+                )
+            lines.append("")
+        lines += [
+            "## (c) Prediction and (d) memory",
+            "",
+            "Predicted span: the simulator under the profiler's per-stage medians (T_F, T_B, T_W per virtual stage, "
+            "T_comm = measured P2P latency) from a split-backward schedule of the same layout (zb-h1 for one chunk, "
+            "interleaved-zb for two looped chunks, zb-v for V). Target: within 10% of the measured span. "
+            "Trace-fed: the same simulation with the medians of the timed runs' own F/B/W durations (from their "
+            "traces), which separates the model's error from load drift between the profiled window and the runs. "
+            "Peak activation memory: the profiler's saved-tensor bytes (what autograd's graph saved plus what the "
+            "deferred W work holds), resident per rank, maximum over a profiled window; predicted: the simulator's "
+            "running sum of the profiled per-stage deltas over the plan. Target: within 10%. Expected bounds: ZB-H1 "
+            "and ZB-V at 1F1B's peak, ZB-H2 and zb-auto (default limit) up to (2p - 1) / p of it, V-Half about half, "
+            "V-Min about a third.",
+            "",
+            "![real](pipeline_real.png)",
+            "",
+            "![memory](pipeline_memory.png)",
+            "",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], out_dir: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    emu = report.get("emulated")
+    if emu:
+        shapes = sorted({(r["p"], r["m"]) for r in emu["rows"]})
+        fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 4.2), squeeze=False)
+        for ax, (p, m) in zip(axes[0], shapes):
+            rows = [r for r in emu["rows"] if r["p"] == p and r["m"] == m]
+            x = np.arange(len(rows))
+            ax.bar(x - 0.2, [r["simulated_ms"] for r in rows], 0.4, label="simulated makespan", color="#9bb")
+            ax.bar(x + 0.2, [r["measured_span_ms"] for r in rows], 0.4, label="measured span", color="#36a")
+            ax.set_xticks(x, [r["schedule"] for r in rows], rotation=60, ha="right", fontsize=8)
+            ax.set_title(f"emulated p={p} m={m}")
+            ax.set_ylabel("ms per iteration")
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out_dir, "pipeline_emulated.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    real = report.get("real")
+    if real:
+        ms = list(real["by_m"])
+        fig, axes = plt.subplots(1, len(ms), figsize=(6.5 * len(ms), 4.4), squeeze=False)
+        for ax, m in zip(axes[0], ms):
+            rows = real["by_m"][m]["rows"]
+            x = np.arange(len(rows))
+            ratio = np.array([r["ratio"] for r in rows])
+            err = np.array([[r["ratio"] - r["ratio_lo"] for r in rows], [r["ratio_hi"] - r["ratio"] for r in rows]])
+            colors = ["#c64" if r["schedule"].startswith("torch:") else "#36a" for r in rows]
+            ax.bar(x, ratio, yerr=err, color=colors, capsize=3)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xticks(x, [r["schedule"] for r in rows], rotation=60, ha="right", fontsize=8)
+            ax.set_ylabel("tokens/s relative to our 1F1B")
+            ax.set_title(f"real GPT on CPU, pp=2, m={m} (blue: ours, red: torch)")
+            lo = min(0.6, float(np.min(ratio - err[0])) - 0.05)
+            ax.set_ylim(lo, max(1.35, float(np.max(ratio + err[1])) + 0.05))
+        fig.tight_layout()
+        path = os.path.join(out_dir, "pipeline_real.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+        fig, axes = plt.subplots(1, len(ms), figsize=(6.5 * len(ms), 4.4), squeeze=False)
+        for ax, m in zip(axes[0], ms):
+            rows = [r for r in real["by_m"][m]["rows"] if "peak_bytes" in r]
+            x = np.arange(len(rows))
+            for rank, off, col in ((0, -0.3, "#36a"), (1, 0.1, "#6a3")):
+                ax.bar(x + off, [r["peak_bytes"][rank] / 2**20 for r in rows], 0.2, color=col,
+                       label=f"rank {rank} measured")  # fmt: skip
+                ax.bar(x + off + 0.2, [r["predicted_peak_bytes"][rank] / 2**20 for r in rows], 0.2, color=col,
+                       alpha=0.4, label=f"rank {rank} simulated")  # fmt: skip
+            ax.set_xticks(x, [r["schedule"] for r in rows], rotation=60, ha="right", fontsize=8)
+            ax.set_ylabel("peak activation MiB")
+            ax.set_title(f"peak activation memory, pp=2, m={m}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, "pipeline_memory.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"), help="output directory")
+    ap.add_argument("--quick", action="store_true", help="small settings for a smoke run (minutes)")
+    ap.add_argument("--parts", default="emulated,real", help="comma list of: emulated, real")
+    ap.add_argument("--p", type=int, nargs="+", default=None, help="emulated: pipeline sizes (default 4 8)")
+    ap.add_argument("--emulated-m", type=int, nargs="+", default=None, help="emulated: microbatches (default 16 32)")
+    ap.add_argument(
+        "--m", "--microbatches", dest="m", type=int, nargs="+", default=None, help="real: microbatches (default 4 8)"
+    )
+    ap.add_argument("--runs", type=int, default=None, help="real: alternated runs per schedule (default 10)")
+    ap.add_argument("--no-torch", action="store_true", help="real: leave out torch.distributed.pipelining")
+    ap.add_argument(
+        "--launcher",
+        choices=("local", "torchrun"),
+        default="local",
+        help="local: spawn gloo ranks on this machine; torchrun: this process is one rank of a torchrun job "
+        "(pp = world size, NCCL on GPUs), runs parts (b)-(d) only",
+    )
+    args = ap.parse_args(argv)
+    if args.launcher == "torchrun":
+        return main_torchrun(args, argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    bad = parts - {"emulated", "real"}
+    if bad:
+        print(f"bench_pipeline: error: --parts {sorted(bad)} unknown; use emulated and/or real", file=sys.stderr)
+        return 2
+    quick = args.quick
+    ps = args.p or ([4] if quick else [4, 8])
+    ems = args.emulated_m or ([16] if quick else [16, 32])
+    ms = args.m or ([4] if quick else [4, 8])
+    runs = args.runs or (3 if quick else 10)
+    model = None
+    if tp_bench is not None:
+        model = tp_bench.QUICK_MODEL if quick else tp_bench.BenchModel()
+    torch_names: list[str] = []
+    if tp_bench is not None and not args.no_torch:
+        avail = tp_bench.available_schedules()
+        torch_names = [n for n in (["1f1b"] if quick else avail) if n in avail]
+    os.makedirs(args.out, exist_ok=True)
+    report: dict[str, Any] = {
+        "environment": environment(),
+        "settings": {"argv": argv, "quick": quick, "emulated_p": ps, "emulated_m": ems, "real_m": ms, "runs": runs},
+    }
+    t0 = time.perf_counter()
+
+    def log(line: str) -> None:
+        print(f"[{time.perf_counter() - t0:7.1f}s] {line}", flush=True)
+
+    if "emulated" in parts:
+        report["emulated"] = run_emulated(ps, ems, 2 if quick else 3, log)
+    if "real" in parts:
+        if model is None:
+            log("(b) real compute skipped: tools/bench_torch_pipelining.py (the shared GPT settings) is not importable")
+        else:
+            report["real"] = run_real(model, ms, runs, torch_names, log)
+    try:
+        report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        report["load_average_end"] = None
+    report["seconds"] = time.perf_counter() - t0
+    with open(os.path.join(args.out, "pipeline.json"), "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.join(args.out, "pipeline.md"), "w", encoding="utf-8") as f:
+        f.write(to_markdown(report))
+    for path in plot(report, args.out):
+        log(f"wrote {path}")
+    log(f"wrote {os.path.join(args.out, 'pipeline.md')} and pipeline.json")
+    return 0
+
+
+def main_torchrun(args: argparse.Namespace, argv: list[str]) -> int:
+    """One rank of ``torchrun --nproc-per-node N tools/bench_pipeline.py --launcher torchrun``: pp = N."""
+    from datetime import timedelta
+
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    if tp_bench is None:
+        print("bench_pipeline: tools/bench_torch_pipelining.py is needed for the model settings", file=sys.stderr)
+        return 2
+    model = tp_bench.QUICK_MODEL if args.quick else tp_bench.BenchModel()
+    ms = args.m or ([2 * world] if args.quick else [2 * world, 4 * world])
+    runs = args.runs or (3 if args.quick else 10)
+    device = f"cuda:{local}" if cuda else "cpu"
+
+    def log(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    report: dict[str, Any] = {
+        "environment": {**environment(), "gpu": torch.cuda.get_device_name(local) if cuda else None},
+        "settings": {"argv": argv, "launcher": "torchrun", "world": world, "real_m": ms, "runs": runs},
+        "real": {"pp": world, "model": asdict(model), "runs": runs, "device": device, "by_m": {}},
+    }
+    for m in ms:
+        names = _schedules_for(world, m, log)
+        mine = _real_rank(rank, world, model, m, names, [], 2, 3, runs, device)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            report["real"]["by_m"][str(m)] = aggregate_real(gathered, model, m, log)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        report["load_average_end"] = environment()["load_average"]
+        stem = os.path.join(args.out, "pipeline_torchrun")
+        with open(stem + ".json", "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        with open(stem + ".md", "w", encoding="utf-8") as f:
+            f.write(to_markdown(report))
+        print(f"wrote {stem}.md and {stem}.json", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
