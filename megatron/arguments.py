@@ -32,9 +32,6 @@ from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
 from megatron.pipeline.schedule_flags import ScheduleConfig, schedule_flag_specs
 
-# The pipeline runtime (megatron.pipeline over zb_pipeline.runtime) drives pp > 1 in training.py.
-PIPELINE_RUNTIME_READY = True
-
 # Megatron-LM flags accepted for compatibility but without effect here: flag -> (takes a value?, why it is ignored).
 KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--use-mcore-models": (False, "there is one model implementation"),

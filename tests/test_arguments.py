@@ -135,7 +135,11 @@ BAD_INPUT = {
     "bad-value": ([*TINY, "--num-layers", "two"], 1, "invalid"),
     "bad-choice": ([*TINY, "--normalization", "BatchNorm"], 1, "invalid choice"),
     "negative-lr": ([*TINY, "--lr", "-1"], 1, "--lr=-1.0 must be > 0"),
-    "pipeline-not-ready": ([*TINY, "--pipeline-model-parallel-size", "2"], 2, "pipeline parallelism is not available"),
+    "pipeline-schedule": (
+        [*TINY, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--enable-zero-bubble"],
+        2,
+        "contradicts --enable-zero-bubble",
+    ),
     "no-data": (["--model-config", "gpt-tiny", "--train-iters", "3", "--lr", "1e-3"], 1, "--mock-data"),
 }
 

@@ -146,6 +146,45 @@ def test_untied_bit_identical_slow(schedule: str) -> None:
     assert got["losses"] == ref["losses"], (schedule, got, ref)
 
 
+def _bucket_launch_rank(rank: int, world_size: int) -> dict:
+    from datetime import timedelta
+
+    import torch
+
+    from megatron.arguments import parse_run_config
+    from megatron.parallel.context import ParallelContext
+    from megatron.training import forward_backward, setup
+
+    torch.set_num_threads(1)
+    ctx = ParallelContext.initialize(pp=2, timeout=timedelta(seconds=60))
+    out = {}
+    for name, extra in (("untied", UNTIED), ("tied", [])):
+        argv = [*BASE, *extra, "--global-batch-size", "6", "--pipeline-model-parallel-size", "2"]
+        tr = setup(parse_run_config(argv, world_size=world_size), ctx)
+        seen: list[list[bool]] = []
+        finish = tr.reducer.finish
+
+        def spy(*args, _finish=finish, _tr=tr, _seen=seen, **kwargs):
+            _seen.append([b.launched for b in _tr.reducer.buckets])
+            return _finish(*args, **kwargs)
+
+        tr.reducer.finish = spy
+        forward_backward(tr)
+        tied = {id(p) for p in tr.pipeline.tied_embedding_params()}
+        out[name] = (seen, [any(id(p) in tied for p in b.params) for b in tr.reducer.buckets])
+    return out
+
+
+def test_buckets_launch_after_each_stages_last_w_and_tied_copies_after_their_sum() -> None:
+    """Before ``reducer.finish()``: every bucket without a tied-embedding copy has launched (the stage's last W marked
+    its gradients final), and every bucket holding a copy has not (its sum over the embedding group comes first)."""
+    for result in run_multiprocess(_bucket_launch_rank, 2, timeout_s=180):
+        for name, (seen, holds_tied) in result.items():
+            assert len(seen) == 1, name
+            assert seen[0] == [not t for t in holds_tied], (name, seen, holds_tied)
+        assert not any(result["untied"][1]) and any(result["tied"][1])
+
+
 @pytest.mark.slow
 def test_resume_pp2_zero_bubble_is_bit_exact(tmp_path) -> None:
     """zb-v with tied embeddings (both copies on rank 0) and zb-h1 with dp = 2: 6 steps in one launch equal, bit for
@@ -199,6 +238,7 @@ def test_bad_schedule_flags_fail_at_parse_time(tmp_path) -> None:
     assert "split" in _parse_error([*pp2, "--pipeline-schedule", "zb-v", "--num-layers", "6"])
 
 
+@pytest.mark.slow  # the default run covers it: test_arguments.py's exit-2 battery has a --pipeline-schedule case
 def test_bad_schedule_flag_exits_2_on_every_rank_with_one_line() -> None:
     """pretrain_gpt.py as torchrun starts it (RANK/WORLD_SIZE set): every rank exits 2 before any rendezvous; rank 0
     prints one line, the others nothing."""

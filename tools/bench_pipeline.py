@@ -680,7 +680,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = args.runs or (3 if quick else 10)
     model = None
     if tp_bench is not None:
-        model = tp_bench.QUICK_MODEL if quick else tp_bench.BenchModel()
+        # 4 layers of hidden 256 over two ranks: about 10 ms per F per rank, small enough for >= 10 alternated runs
+        # of 16 schedules on a shared two-core machine.
+        model = tp_bench.QUICK_MODEL if quick else tp_bench.BenchModel(num_layers=4)
     torch_names: list[str] = []
     if tp_bench is not None and not args.no_torch:
         avail = tp_bench.available_schedules()

@@ -356,9 +356,9 @@ class ActionProfiler:
         self._roots: dict[tuple[int, int], Any] = {}  # key -> what F saved for backward (autograd edge/tensor)
         self._work: dict[tuple[int, int], list[Any]] = {}  # key -> deferred W work objects
         self._live: dict[tuple[int, int], float] = {}  # key -> resident bytes
-        self._after_f: dict[tuple[int, int], float] = {}
-        self._after_b: dict[tuple[int, int], float] = {}
         self._peak = 0.0
+        self._iteration_open = False
+        self._cuda_base = 0
         self._torch = torch
         self._install()
 
@@ -397,7 +397,7 @@ class ActionProfiler:
             self._iteration_open = True
 
     def _close_iteration(self) -> None:
-        if not getattr(self, "_iteration_open", False):
+        if not self._iteration_open:
             return
         self._iteration_open = False
         if self.memory == "cuda":

@@ -5,21 +5,29 @@ chunk 1 (stages ``p..2p-1``) comes back up, so rank ``r`` holds stages ``r`` and
 the two chunks on rank ``p-1`` (forward) and the loss on rank 0 (stage ``2p-1``, whose backward starts where its
 forward ended) are local: no communication.
 
-How a plan is built.  A list scheduler simulates time with the *real* per-virtual-stage costs (``StageCosts``:
-T_F, T_B, T_W per stage and T_comm on every hand-off between ranks).  Whenever a rank is free it runs one action
-that is ready there, by priority (B before F, or F before B, per variant; the deferred weight-gradient work W only
-when nothing else may run, so W fills what would otherwise be bubbles), subject to a per-rank memory cap:
+How a plan is built.  Several candidate plans are made with the *real* per-virtual-stage costs (``StageCosts``:
+T_F, T_B, T_W per stage and T_comm on every hand-off between ranks), each is timed by the simulator, and the
+shortest makespan within the memory caps is kept (ties: the first).
 
-- *Channel order.*  A rank consumes each peer's hand-offs in the order the peer produced them, so lowering can post
-  every receive in the sender's order (the strict one-order-per-pair model) with no buffering.
-- *Memory by reservation* (variants "staged" and "full", see ``_ListScheduler``): a microbatch enters only when
-  every rank has room for it; these can never get stuck while one microbatch fits on every rank.
-- *Optimistic memory* (variant "optimistic"): room is checked per action, oldest microbatch first, and a hand-off
-  is sent only when its receiver has room; with entry pacing (one microbatch per bottleneck-rank period after a
-  burst) this fills tight caps much better, but it can get stuck, and a stuck variant is dropped.
+1. *List scheduler* (``_ListScheduler``): simulates time; whenever a rank is free it runs one ready action by
+   priority (B before F, F before B, chunk-1 F first, ... per variant; the deferred W only when nothing else may
+   run, so W fills what would otherwise be bubbles), subject to the per-rank cap:
+   - *Memory by reservation* ("staged", "full"): a microbatch enters only when every rank has room for it; these
+     can never get stuck while one microbatch fits on every rank (the fallback).
+   - *Optimistic* ("optimistic"): room is checked per action, the oldest microbatch's remaining growth kept free,
+     a hand-off sent only when its receiver has room, each peer's hand-offs consumed in its order; can get stuck
+     (then dropped).
+   - *Local* ("local"): room checked per action on the rank that runs it (oldest microbatch's growth kept free),
+     hand-offs taken in any order once arrived.  The globally oldest microbatch always fits, so it cannot stick.
+2. *Repeated building block* (``modulo_template``, ``template_plans``): the pattern of the papers -- one
+   microbatch's F/B/W offsets, placed as early as dependencies allow such that copies repeated every ``period``
+   never overlap on a rank (modulo scheduling); each rank runs the copies' actions in start-time order and the
+   simulator squeezes the warm-up and cool-down.  Memory is then exactly the overlap of the block's lifespans, so
+   the shortest period whose overlap fits the cap is taken.  This is what makes ``v-min`` (a cap close to the least
+   any steady state needs) work at large p.
 
-Every variant's order is timed with the simulator under the given costs and the shortest makespan is kept (ties:
-the first).  Memory never exceeds the cap, by construction, on every rank.
+Hand-offs: lowering posts every receive when its data is produced, i.e. in the sender's order, so a rank may
+consume its peers' hand-offs in any order; ``validate`` checks the strict one-order-per-pair model on the result.
 
 Memory caps, in half-units of the rank's whole share ``M_r = mem_f[r] + mem_f[2p-1-r]`` (one chunk's F is
 ``M_r / 2`` when the chunks are equal; with unequal chunks the cap is ``cap_units / 2 x M_r``, and never below
@@ -33,10 +41,11 @@ the highest rank peak equals the cap exactly for m = 3p and p <= 8 (tested; m < 
 it).  A ``mem_limit`` lowers the cap; one below a single microbatch's footprint is rejected with the smallest
 limit that works.
 
-Bubble (measured, uniform F = B = W per chunk, T_comm = 0, m in [2p, 64], p <= 16; makespan minus m(F+B+W)):
-``zb-v`` at most 1.5p chunk-F times (max measured 1.44p at p = 9; 0 for p = 1, 1 for p = 2, 3; 21 at p = 16
-against 90 for 1F1B); ``v-half`` about 3p; ``v-min`` grows with m where the cap is tight (up to ~40% bubble at
-p >= 10).  ZB-V does not reach the paper's zero bubble: the list scheduler's warm-up is not the handcrafted one.
+Bubble (measured, uniform per-chunk costs, T_comm = 0, m in {2p, 4p}, p <= 16; makespan minus m(F+B+W) in
+chunk-F units, see .notes/readme_vshape.md): ``zb-v`` at most 1.5p (tested; 19 at p = 16 against 90 for 1F1B);
+``v-half`` below 1F1B at F = B = W (tested), within 8 points of 1F1B's rate at F = B = 2W; ``v-min`` within 15
+points of 1F1B's rate (tested; e.g. 13% at p = 16, m = 64, F = B = W where it was 41%).  ZB-V still does not reach
+the paper's zero bubble: its warm-up is the list scheduler's, not the handcrafted one.
 """
 
 from __future__ import annotations
@@ -80,7 +89,6 @@ class _Policy:
     pace: float = 0.0  # microbatch k enters no earlier than (k - burst) x pace x period (0: no pacing)
     burst: float = 0.0  # as a fraction of p (at least 1 when pacing)
     fifo: bool = True  # consume each peer's hand-offs in the order it sent them
-    w_in_tau: bool = False  # "tau" order: W competes by template time too (else W only when nothing else runs)
 
 
 _POLICIES = tuple(
@@ -118,10 +126,8 @@ class _ListScheduler:
         costs: StageCosts,
         caps: list[float],
         policy: _Policy,
-        template: tuple[dict[tuple[int, Kind], float], float] | None = None,
     ):
         self.place, self.m, self.costs, self.caps, self.policy = stage_to_rank, m, costs, caps, policy
-        self.template = template
         self.S = S = len(stage_to_rank)
         self.p = p = max(stage_to_rank) + 1
         self.turn_stage = S // 2
@@ -190,17 +196,11 @@ class _ListScheduler:
                 return a.microbatch == next_turn and room(self.g1)
             return True
 
-        tau_w = pol.order == "tau" and pol.w_in_tau
         fifo = pol.fifo
         reserving = pol.admission in ("staged", "full")
-        if pol.order == "tau":
-            assert self.template is not None
-            offsets, period = self.template
 
         def key(a: Action) -> tuple:
             k = a.kind
-            if pol.order == "tau":
-                return (offsets[(a.stage, k)] + a.microbatch * period, a.microbatch)
             if pol.order == "bfw":
                 cls = 0 if k is Kind.B else 1
             elif pol.order == "fbw":
@@ -227,9 +227,6 @@ class _ListScheduler:
                 for i, a in enumerate(local[r]):
                     if can_run(a):
                         cands.append((key(a), a, i))
-                if tau_w:
-                    for i, a in enumerate(pending_w[r]):
-                        cands.append((key(a), a, -1 - i))
                 if r == entry_rank and next_new < m:
                     paced = pol.pace and t + _EPS < (next_new - self.burst) * pol.pace * self.period
                     need = [x + y for x, y in zip(self.g0, self.g1)]
@@ -241,8 +238,6 @@ class _ListScheduler:
                     _, act, src = min(cands, key=lambda c: c[0])
                     if isinstance(src, tuple):
                         del channels[src[0]][src[1]]
-                    elif isinstance(src, int) and src < 0:
-                        pending_w[r].pop(-1 - src)
                     elif isinstance(src, int):
                         local[r].pop(src)
                     else:
@@ -424,9 +419,7 @@ def template_plans(p: int, m: int, costs: StageCosts, caps: list[float], keep: i
     the first ``keep`` (period, W mode) settings whose every rank peak is within its cap are returned.
     """
     place = v_placement(p, 2)
-    base = max(
-        sum(costs.f[s] + costs.b[s] + costs.w[s] for s in range(2 * p) if place[s] == r) for r in range(p)
-    )
+    base = max(sum(costs.f[s] + costs.b[s] + costs.w[s] for s in range(2 * p) if place[s] == r) for r in range(p))
     out = []
     for stretch in _TEMPLATE_STRETCH:
         for eager in (False, True):

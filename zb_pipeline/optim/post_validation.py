@@ -1,0 +1,306 @@
+"""Optimizer post-validation: step without waiting for the other pipeline ranks, roll back exactly when wrong.
+
+The synchronised optimizer needs the global gradient norm and the global inf/NaN flag before any rank may update:
+one reduction over all pipeline ranks at every iteration boundary, a bubble.  Post-validation removes that wait:
+
+1. **At the end of iteration i** (``PostValidator.step``, no communication) a rank unscales its gradients and takes
+   its *local* state ``L = [sum of squared grads, non-finite count]`` (already reduced over its tensor-parallel
+   group, and its data-parallel group when the optimizer is sharded -- the optimizer's ``unscale_and_local_stats``).
+   The global state can only be worse than the local one (partial sums of squares only grow, a non-finite count
+   only grows), so:
+
+   - local inf/NaN: the step is certainly skipped -- do nothing now;
+   - local norm already above the clip threshold: the step is certainly clipped, with a coefficient not known yet
+     -- do nothing now, step at validation;
+   - otherwise step *optimistically* (unclipped), after a snapshot of the main parameters, the optimizer state
+     and the step count.
+
+2. **At the start of iteration i + 1** the states travel along the ``SEND_PV``/``RECV_PV`` chain that
+   ``zb_pipeline.schedule.post_validation_pass`` puts into the plan: rank ``r`` adds its ``L`` to the partial state
+   ``P(r-1)`` from rank ``r - 1`` in float64 and passes ``P(r)`` on; the last rank's ``P`` is the total ``T``, sent
+   back rank by rank.  On arrival of ``T`` (before the rank's first forward of the new iteration) the rank
+   validates: exactly what the synchronised optimizer would have done is computed from ``T``, and if the
+   optimistic step differs the snapshot is restored (a copy, never an algebraic inversion) and the correct
+   action is taken: skip (and the loss scaler sees the overflow) or clip with the global coefficient and step
+   again.  Then the gradients are zeroed for the new iteration.
+
+3. **The synchronised path** (``synchronised_step``) sums the same per-rank states in the same fixed rank order,
+   ``((L0 + L1) + L2) + ...`` in float64, so both paths compute the identical norm bit for bit.
+
+The last iteration of a run (or the one before a checkpoint or an evaluation) is validated by ``flush``: the same
+ordered sum through one all-gather.
+
+The optimizer is reached through ``PostValidatableOptimizer`` (a small protocol; ``.notes/postval_integration.md``
+gives the adapter for ``megatron.optimizer.MainParamOptimizer``).  Nothing here imports ``megatron``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from zb_pipeline.schedule.ir import Action, Kind
+from zb_pipeline.schedule.post_validation_pass import PV_BACK, PV_FORWARD
+
+# Decisions taken at step time (``Pending.decision``).
+STEPPED = "stepped"  # optimistic step taken; snapshot kept
+HELD_NONFINITE = "held_nonfinite"  # local inf/NaN: the step is certainly skipped
+HELD_CLIP = "held_clip"  # local norm above the clip threshold: the step is certainly clipped
+
+# Outcome counters (``PostValidator.counts``): validated steps and rollbacks by cause.
+OUTCOMES = (
+    "validated",  # optimistic step confirmed
+    "rollback_nonfinite",  # optimistic step undone: another rank had inf/NaN, step skipped
+    "rollback_clip",  # optimistic step undone: the global norm needs clipping, stepped again clipped
+    "held_nonfinite",  # no step taken (local inf/NaN), confirmed skip
+    "held_clip",  # no step taken (local norm above threshold), clipped step taken at validation
+    "held_clip_nonfinite",  # no step taken (local clip), another rank had inf/NaN: skipped
+)
+
+
+class PostValidatableOptimizer(Protocol):
+    """What post-validation needs from an optimizer (each call is local: no communication across pipeline ranks)."""
+
+    def unscale_and_local_stats(self) -> torch.Tensor:
+        """Unscale the gradients in place (fp16 loss scale) and return float64 ``[sum of squares, non-finite count]``
+        of the gradients this rank counts, reduced over its tensor-parallel (and, if sharded, data-parallel) group."""
+        ...
+
+    def clip_coefficient(self, norm: float) -> float:
+        """The factor the gradients are multiplied by before the update (1.0: no clipping)."""
+        ...
+
+    def apply_update(self, lr: float, coeff: float) -> None:
+        """Scale the gradients by ``coeff`` if it is below 1, update, and publish to the model parameters."""
+        ...
+
+    def update_loss_scale(self, found_nonfinite: bool) -> None: ...
+
+    def snapshot(self) -> Any:
+        """A copy of everything ``apply_update`` changes (main parameters, optimizer state, step count)."""
+        ...
+
+    def restore(self, snapshot: Any) -> None:
+        """Put the ``snapshot`` back exactly and re-publish the model parameters."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class GlobalStats:
+    norm: float
+    found_nonfinite: bool
+
+
+def local_state(stats: torch.Tensor | None) -> torch.Tensor:
+    """The float64 ``[sum of squares, non-finite count, pending]`` a rank contributes (zeros: no pending step)."""
+    if stats is None:
+        return torch.zeros(3, dtype=torch.float64)
+    return torch.cat([stats.detach().to(torch.float64).reshape(2).cpu(), torch.ones(1, dtype=torch.float64)])
+
+
+def sum_in_rank_order(states: list[torch.Tensor]) -> torch.Tensor:
+    """``((s0 + s1) + s2) + ...``: the one summation order of both paths."""
+    total = states[0].clone()
+    for s in states[1:]:
+        total = total + s
+    return total
+
+
+def global_stats(total: torch.Tensor) -> GlobalStats:
+    """Norm and inf/NaN flag from a reduced state (same rule as the synchronised optimizer)."""
+    sq, bad = float(total[0]), float(total[1])
+    nonfinite = bad > 0 or not math.isfinite(sq)
+    return GlobalStats(norm=float("nan") if nonfinite else sq**0.5, found_nonfinite=nonfinite)
+
+
+def gather_in_rank_order(state: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum every pipeline rank's ``state`` in rank order (one all-gather): the synchronised reduction."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return state.clone()
+    parts = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, state.contiguous(), group=group)
+    return sum_in_rank_order(parts)
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    stats: GlobalStats
+    skipped: bool
+
+
+@torch.no_grad()
+def synchronised_step(opt: PostValidatableOptimizer, lr: float, *, pp_group: dist.ProcessGroup | None) -> SyncOutcome:
+    """The synchronised optimizer over the same protocol: reduce (ordered), then skip or clip and step."""
+    local = local_state(opt.unscale_and_local_stats())
+    stats = global_stats(gather_in_rank_order(local, pp_group))
+    opt.update_loss_scale(stats.found_nonfinite)
+    if stats.found_nonfinite:
+        return SyncOutcome(stats, skipped=True)
+    opt.apply_update(lr, opt.clip_coefficient(stats.norm))
+    return SyncOutcome(stats, skipped=False)
+
+
+@dataclass
+class Pending:
+    """A step taken (or held back) at the end of an iteration, waiting for the global state."""
+
+    lr: float
+    decision: str
+    state: torch.Tensor  # this rank's [sum sq, non-finite, 1]
+    snapshot: Any = None
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What validation found for one iteration's step on this rank."""
+
+    outcome: str  # one of OUTCOMES
+    stats: GlobalStats
+    skipped: bool
+
+
+@dataclass
+class PostValidator:
+    """One pipeline rank's post-validated optimizer step (module docstring).
+
+    ``install(executor)`` wires the plan's ``SEND_PV``/``RECV_PV`` actions to it; ``on_validated(validation)`` is
+    called after each validation (the trainer logs it; tests record the parameters there).
+    """
+
+    optimizer: PostValidatableOptimizer
+    pp_rank: int
+    pp_size: int
+    on_validated: Callable[[Validation], None] | None = None
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    pending: Pending | None = None
+    last: Validation | None = None
+    _partial: torch.Tensor | None = None
+    _total: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank={self.pp_rank} must be in 0..pp_size-1 (pp_size={self.pp_size})")
+
+    # -- end of an iteration: no communication ------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float) -> str:
+        """Take (or hold back) this iteration's step from local information only; returns the decision."""
+        if self.pending is not None:
+            raise RuntimeError(
+                f"pipeline rank {self.pp_rank}: the previous step was never validated; run the next iteration's "
+                "plan (with its SEND_PV/RECV_PV actions) or call flush() before stepping again"
+            )
+        opt = self.optimizer
+        local = opt.unscale_and_local_stats()
+        mine = global_stats(local)  # a lower bound of the global state
+        if mine.found_nonfinite:
+            decision, snap = HELD_NONFINITE, None
+        elif opt.clip_coefficient(mine.norm) < 1.0:
+            decision, snap = HELD_CLIP, None
+        else:
+            decision, snap = STEPPED, opt.snapshot()
+            opt.apply_update(lr, 1.0)
+        self.pending = Pending(lr=lr, decision=decision, state=local_state(local), snapshot=snap)
+        return decision
+
+    def own_state(self) -> torch.Tensor:
+        return self.pending.state if self.pending is not None else local_state(None)
+
+    # -- validation -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def validate(self, total: torch.Tensor) -> Validation | None:
+        """Resolve the pending step against the fully reduced state; zero the gradients for the next iteration."""
+        pend, self.pending = self.pending, None
+        opt = self.optimizer
+        ranks_pending = int(total[2])
+        if pend is None:
+            if ranks_pending != 0:
+                raise RuntimeError(f"pipeline rank {self.pp_rank}: other ranks validate a step this rank never took")
+            opt.zero_grad()
+            return None
+        if ranks_pending != self.pp_size:
+            raise RuntimeError(
+                f"pipeline rank {self.pp_rank}: only {ranks_pending} of {self.pp_size} pipeline ranks took a step "
+                "this iteration; every rank must call PostValidator.step once per iteration"
+            )
+        stats = global_stats(total)
+        opt.update_loss_scale(stats.found_nonfinite)
+        coeff = 1.0 if stats.found_nonfinite else opt.clip_coefficient(stats.norm)
+        if pend.decision == STEPPED:
+            if stats.found_nonfinite:
+                opt.restore(pend.snapshot)
+                outcome = "rollback_nonfinite"
+            elif coeff < 1.0:
+                opt.restore(pend.snapshot)
+                opt.apply_update(pend.lr, coeff)
+                outcome = "rollback_clip"
+            else:
+                outcome = "validated"
+        elif pend.decision == HELD_NONFINITE:
+            outcome = "held_nonfinite"  # the global state is non-finite too (counts only grow)
+        elif stats.found_nonfinite:
+            outcome = "held_clip_nonfinite"
+        else:
+            opt.apply_update(pend.lr, coeff)
+            outcome = "held_clip"
+        opt.zero_grad()
+        self.counts[outcome] += 1
+        result = Validation(outcome=outcome, stats=stats, skipped=stats.found_nonfinite)
+        self.last = result
+        if self.on_validated is not None:
+            self.on_validated(result)
+        return result
+
+    def flush(self, group: dist.ProcessGroup | None) -> Validation | None:
+        """Validate the pending step now, synchronously (end of run, before a checkpoint or an evaluation)."""
+        return self.validate(gather_in_rank_order(self.own_state(), group))
+
+    def rollbacks(self) -> int:
+        return self.counts["rollback_nonfinite"] + self.counts["rollback_clip"]
+
+    def log_summary(self) -> str:
+        """``validated steps: N | rollbacks: inf/nan A, clip B | held back: ...`` for the trainer's log line."""
+        c = self.counts
+        return (
+            f"validated steps: {c['validated']} | rollbacks: inf/nan {c['rollback_nonfinite']}, clip "
+            f"{c['rollback_clip']} | held back: inf/nan {c['held_nonfinite']}, clip {c['held_clip']}"
+            f"{', clip+inf/nan ' + str(c['held_clip_nonfinite']) if c['held_clip_nonfinite'] else ''}"
+        )
+
+    # -- the plan's SEND_PV / RECV_PV actions ------------------------------------------------------------------
+    def install(self, executor: Any) -> None:
+        """Register the handlers of the post-validation actions on a ``PipelineExecutor``."""
+        executor.handlers[Kind.SEND_PV] = self._send_handler
+        executor.handlers[Kind.RECV_PV] = _no_payload
+        executor.after_post[Kind.RECV_PV] = self._received
+        if self.pp_size == 1:  # no chain: the local state is the total
+            executor.on_iteration_start.append(lambda ex: self.validate(self.own_state()))
+
+    def _send_handler(self, executor: Any, a: Action) -> torch.Tensor:
+        if a.microbatch == PV_FORWARD:
+            if self.pp_rank == 0:
+                self._partial = self.own_state()
+            return self._partial
+        return self._total
+
+    def _received(self, executor: Any, a: Action) -> None:
+        buf = executor.p2p.take(Kind.RECV_PV, a.stage, a.microbatch, a)
+        if a.microbatch == PV_FORWARD:
+            self._partial = buf + self.own_state()  # P(r) = P(r-1) + L(r), the order of sum_in_rank_order
+            if self.pp_rank == self.pp_size - 1:
+                self._total = self._partial
+                self.validate(self._total)
+        elif a.microbatch == PV_BACK:
+            self._total = buf.clone()
+            self.validate(self._total)
+
+
+def _no_payload(executor: Any, a: Action) -> None:
+    return None
