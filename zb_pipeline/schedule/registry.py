@@ -88,7 +88,8 @@ def generate(
     """Generate schedule ``name`` for ``p`` ranks and ``m`` microbatches.
 
     ``costs`` defaults to F = B = W = 1 for a rank's whole share of layers (each chunk 1/chunks), T_comm = 0 and the
-    default memory model (mem_f = 1 per rank's share); ``mem_limit`` is in the units of the memory deltas (per rank).  Raises ``ValueError`` naming the constraint a shape violates.
+    default memory model (mem_f = 1 per rank's share); ``mem_limit`` is in the units of the memory deltas (per rank).
+    Raises ``ValueError`` naming the constraint a shape violates.
     """
     spec = get(name)
     if num_ranks < 1:
