@@ -91,9 +91,11 @@ class Searcher {
       int act = -1;  // 0 F, 1 B, 2 W
       double nxt = kInf;
       if (is_static) {
-        if (has_w && k - nw[r] > lag[r]) {
+        const bool want_f = j < m && j - k < warm[r];
+        const bool fits = mem[r] + mf_[r] + std::max(0.0, mb_[r]) <= cap_[r] + kEps;
+        if (has_w && (k - nw[r] > lag[r] || (want_f && !fits))) {
           act = 2;
-        } else if (j < m && j - k < warm[r] && mem[r] + mf_[r] + std::max(0.0, mb_[r]) <= cap_[r] + kEps) {
+        } else if (want_f && fits) {
           if (tf <= t) act = 0;
           else nxt = tf;
         } else if (k < j) {
@@ -183,7 +185,10 @@ class Searcher {
     }
     double span = 0.0;
     for (int r = 0; r < p; ++r) {
-      if (nw[r] != m) throw std::runtime_error("zb-auto list scheduler stalled on rank " + std::to_string(r));
+      if (nw[r] != m) {
+        if (is_static) return {kInf, kInf, work};  // a fixed order that deadlocks cannot serve
+        throw std::runtime_error("zb-auto list scheduler stalled on rank " + std::to_string(r));
+      }
       span = std::max(span, free_at[r] - first[r]);
     }
     return {span, evaluate(plans_), work};

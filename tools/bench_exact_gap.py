@@ -22,16 +22,40 @@ from zb_pipeline.schedule.generators import zb_auto
 from zb_pipeline.schedule.milp import highs_available, solve_exact
 from zb_pipeline.schedule.simulate import simulate
 
-# (F, B, W) ratios.
-RATIOS = {"F=B=W": (1.0, 1.0, 1.0), "F=B=2W": (2.0, 2.0, 1.0), "W=2F": (1.0, 1.0, 2.0)}
+
+# Cost settings: (F, B, W) per stage for p ranks, in units of one rank's share of one microbatch's work.
+def _uniform(f: float, b: float, w: float):
+    return lambda p: (f, b, w)
+
+
+def _per_stage(p: int):
+    """Heavier first (embedding) and last (output head and loss) stages."""
+    mid = [1.0] * (p - 2)
+    first, last = (1.4, 1.3, 1.2), (1.8, 2.0, 1.5)
+    if p == 1:
+        return 1.8, 2.0, 1.5
+    return tuple([first[i], *mid, last[i]] for i in range(3))
+
+
+RATIOS = {
+    "F=B=W": _uniform(1.0, 1.0, 1.0),
+    "F=B=2W": _uniform(2.0, 2.0, 1.0),
+    "W=2F": _uniform(1.0, 1.0, 2.0),
+    "per-stage": _per_stage,
+}
+
+
+def _scaled(v, p: int):
+    return [x * p for x in v] if isinstance(v, list) else v * p
 
 
 def run(out: Path, *, time_limit: float, quick: bool) -> Path:
-    shapes = [(2, 4), (3, 6), (4, 8)] if quick else [(2, 2), (2, 4), (2, 6), (3, 3), (3, 6), (4, 4), (4, 8)]
-    comms = [0.0, 0.3] if quick else [0.0, 0.3, 1.0]
+    shapes = [(2, 4), (3, 6)] if quick else [(2, 2), (2, 4), (2, 6), (3, 3), (3, 6), (4, 8)]
+    comms = [0.0, 0.3]
     rows = []
-    for (p, m), (ratio_name, (f, b, w)), comm in itertools.product(shapes, RATIOS.items(), comms):
-        costs = StageCosts.build(num_ranks=p, f=f * p, b=b * p, w=w * p, comm=comm)
+    for (p, m), (ratio_name, spec), comm in itertools.product(shapes, RATIOS.items(), comms):
+        f, b, w = spec(p)
+        costs = StageCosts.build(num_ranks=p, f=_scaled(f, p), b=_scaled(b, p), w=_scaled(w, p), comm=comm)
         for limit_name, limit in (("p", float(p)), ("2p-1", float(2 * p - 1))):
             plans = {}
             res = zb_auto.search(p, m, costs, limit)

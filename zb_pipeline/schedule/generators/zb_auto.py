@@ -185,11 +185,14 @@ def list_schedule_py(
         act = -1
         nxt = INF
         if static:
-            # A fixed order: W once more than lag[r] are pending, else F while fewer than warm[r] await their B,
-            # else B; the rank waits for what it chose (ZB-H1 is warm = p - r, lag = r).
-            if has_w and k - nw[r] > lag[r]:
+            # A fixed order: W once more than lag[r] are pending (or to make room for a wanted F), else F while
+            # fewer than warm[r] await their B, else B; the rank waits for what it chose (ZB-H1: warm = p - r,
+            # lag = r).
+            want_f = j < m and j - k < warm[r]
+            fits = mem[r] + mf[r] + max(0.0, mb[r]) <= cap[r] + _EPS
+            if has_w and (k - nw[r] > lag[r] or (want_f and not fits)):
                 act = _W
-            elif j < m and j - k < warm[r] and mem[r] + mf[r] + max(0.0, mb[r]) <= cap[r] + _EPS:
+            elif want_f and fits:
                 if tf <= t:
                     act = _F
                 else:
@@ -275,7 +278,10 @@ def list_schedule_py(
             wake[r] = end
             heapq.heappush(heap, (end, -r))
     for r in range(p):
-        if nw[r] != m:  # cannot happen with cap >= one microbatch; a loud guard against a broken policy
+        if nw[r] != m:
+            if static:  # a fixed order can deadlock when ranks differ in memory: the variant cannot serve
+                return plans, INF, work
+            # cannot happen with cap >= one microbatch; a loud guard against a broken policy
             raise RuntimeError(f"zb-auto list scheduler stalled on rank {r} ({nf[r]} F, {nb[r]} B, {nw[r]} W of {m})")
     makespan = max(free[r] - first[r] for r in range(p))
     return plans, makespan, work
@@ -387,7 +393,10 @@ def lower_bound(m: int, st: StageArrays) -> float:
     - *a bottleneck downstream*: for every rank q > r, microbatch 0 needs ``sum_{r<=s<q} (F_s + c)`` to reach q,
       q then runs all its F and B and all but at most ``n_q`` of its W before its last B ends, the gradient needs
       ``sum_{r<=s<q} B_s + (q - r) c`` back (B_r included), and rank r still runs ``W_r``.  With F = B and c = 0
-      this is ZB-H1's makespan at a limit of p microbatches and ZB-H2's at 2p - 1: both are optimal there.
+      this is ZB-H1's makespan at a limit of p microbatches and ZB-H2's at 2p - 1: both are optimal there;
+    - *memory throughput*: a microbatch is resident on rank r from the start of its F to the start of its W, at
+      least ``R_r = sum_{q>=r} (F_q + B_q) + 2 (p-1-r) c``, and at most ``n_r`` are resident at once, so one of
+      ``n_r`` chains of disjoint residences holds ``ceil(m / n_r)`` of them, and the last W still runs after.
     """
     p = len(st.f)
     c = st.comm
@@ -411,6 +420,9 @@ def lower_bound(m: int, st: StageArrays) -> float:
         tail = 0.0 if hold[r] >= m else max(0.0, window - f - (hold[r] - 1) * (b + w))
         idle = head + tail if m > n else max(head, tail)
         best = max(best, m * (f + b + w) + idle)
+        if hold[r] < m:
+            trip = sum(st.f[r:]) + sum(st.b[r:]) + 2 * (p - 1 - r) * c
+            best = max(best, -(-m // hold[r]) * trip + w)
         down = up = 0.0  # sum_{r<=s<q} (F_s + c) and sum_{r<=s<q} (B_s + c)
         for q in range(r + 1, p):
             down += st.f[q - 1] + c
@@ -432,6 +444,9 @@ def _variant(
 ) -> Policy:
     if static:  # the fields a static pass ignores, in one canonical form (so that duplicates are found)
         ahead, theta_w, f_fits, guard = (0,) * len(warm), 0.0, False, False
+        # No rank may want more forwards in flight than the rank before it can send: else it waits for an F
+        # that comes only after its own B (a deadlock).
+        warm = tuple(min(warm[: r + 1]) for r in range(len(warm)))
     return Policy(warm, ahead, lag, theta_w, f_fits, guard, label, static)
 
 
@@ -641,7 +656,7 @@ def _search_view(
             return best[0], best[1], passes, work
     assert best is not None
     if improve and p > 1 and work < budget:
-        best, extra, extra_work = _improve_warm(eng, best, budget - work)
+        best, extra, extra_work = _improve(eng, best, budget - work)
         passes += extra
         work += extra_work
     return best[0], best[1], passes, work
@@ -661,12 +676,14 @@ def _median(costs: StageCosts) -> StageCosts:
     return replace(costs, f=med(costs.f), b=med(costs.b), w=med(costs.w))
 
 
-def _improve_warm(eng: Engine, best: tuple[float, Policy], budget: float) -> tuple[tuple[float, Policy], int, int]:
-    """Greedy descent on the warm-up budget: lower one rank's budget by one while that shortens the makespan.
+def _improve(eng: Engine, best: tuple[float, Policy], budget: float) -> tuple[tuple[float, Policy], int, int]:
+    """Local search on the best variant's per-rank knobs: warm-up budget, ``ahead`` and ``lag``, one step at a time.
 
-    Starts from the best variant's budget capped at what that plan actually used before its first B (a budget
-    above the used count changes nothing).  One sweep over ranks from the last to the first, at most 2p passes
-    and within ``budget`` simulated actions.
+    A move changes one knob of one rank by one; a move that shortens the makespan is kept at once (and the next
+    move tried from there).  Sweeps over ranks from the last to the first repeat while they find something, at most
+    ``_SWEEPS`` times, within ``budget`` simulated actions (trial passes are cut by the best makespan, so moves that
+    cannot win stop early).  The warm-up budget starts at what the plan actually used before its first B (a budget
+    above it changes nothing).
     """
     span, pol = best
     plans, _, _, _ = eng.run(pol, want_plan=True)
@@ -681,21 +698,36 @@ def _improve_warm(eng: Engine, best: tuple[float, Policy], budget: float) -> tup
                 break
             n += 1
         used.append(max(1, n))
-    warm = list(used)
+    knobs = {"warm": list(used), "ahead": [min(a, m) for a in pol.ahead], "lag": [min(x, m) for x in pol.lag]}
+    fields = ("warm", "lag") if pol.static else ("warm", "ahead", "lag")
     passes = work = 0
-    for r in range(p - 1, -1, -1):
-        if warm[r] <= 1 or passes >= 2 * p or work >= budget:
-            continue
-        warm[r] -= 1
-        trial = replace(pol, warm=tuple(warm), label=pol.label + " +improve")
-        _, _, t_span, w = eng.run(trial, cut=span - _tol(span))
-        passes += 1
-        work += w
-        if t_span < span - _tol(span):
-            span, pol = t_span, trial
-        else:
-            warm[r] += 1
+    for _ in range(_SWEEPS):
+        found = False
+        for r in range(p - 1, -1, -1):
+            for name in fields:
+                for delta in (-1, 1):
+                    v = knobs[name]
+                    new = v[r] + delta
+                    if new < (1 if name == "warm" else 0) or new > m or work >= budget:
+                        continue
+                    v[r] = new
+                    trial = replace(pol, **{k: tuple(x) for k, x in knobs.items()}, label=pol.label + " +improve")
+                    if pol.static:
+                        trial = _variant(trial.warm, trial.ahead, trial.lag, 0.0, False, False, trial.label, True)
+                    _, _, t_span, w = eng.run(trial, cut=span - _tol(span))
+                    passes += 1
+                    work += w
+                    if t_span < span - _tol(span):
+                        span, pol, found = t_span, trial, True
+                    else:
+                        v[r] -= delta
+        if not found:
+            break
     return (span, pol), passes, work
+
+
+# Sweeps of the local search (each sweep tries up to 6p moves).
+_SWEEPS = 3
 
 
 @functools.lru_cache(maxsize=4096)
