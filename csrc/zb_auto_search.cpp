@@ -196,6 +196,13 @@ class Searcher {
 
   // ASAP makespan of fixed per-rank plans under this view's costs (mirrors evaluate_py).
   double evaluate(const Plans& plans) {
+    double span = 0.0;
+    for (double s : spans(plans)) span = std::max(span, s);
+    return span;
+  }
+
+  // Per-rank spans of fixed plans under the ASAP timing (mirrors spans_py).
+  std::vector<double> spans(const Plans& plans) {
     const int p = p_, m = m_;
     if (static_cast<int>(plans.size()) != p) throw std::invalid_argument("zb-auto: one plan per rank expected");
     std::fill(f_end_.begin(), f_end_.end(), kInf);
@@ -246,9 +253,9 @@ class Searcher {
       if (remaining && !progressed)
         throw std::invalid_argument("plan can never finish: every unfinished rank waits on another");
     }
-    double span = 0.0;
-    for (int r = 0; r < p; ++r) span = std::max(span, clock[r] - first[r]);
-    return span;
+    std::vector<double> out(p);
+    for (int r = 0; r < p; ++r) out[r] = clock[r] - first[r];
+    return out;
   }
 
   const Plans& plans() const { return plans_; }
@@ -295,5 +302,12 @@ PYBIND11_MODULE(_zb_auto_cpp, mod) {
             return s.evaluate(plans);
           },
           "ASAP makespan of fixed per-rank plans (codes kind * m + microbatch) under this view's costs.",
-          py::arg("plans"));
+          py::arg("plans"))
+      .def(
+          "spans",
+          [](Searcher& s, const Plans& plans) {
+            py::gil_scoped_release release;
+            return s.spans(plans);
+          },
+          "Per-rank ASAP spans of fixed plans; ValueError when they deadlock.", py::arg("plans"));
 }

@@ -51,11 +51,13 @@ from megatron.parallel.data_parallel import DataParallelReducer
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.trainer_hooks import (
     attach_reducer,
+    attach_replanner,
     build_trainer_pipeline,
     context_layout,
     pipeline_evaluate,
     pipeline_forward_backward,
     pipeline_summary,
+    replan_after_iteration,
     write_pipeline_trace,
 )
 from megatron.signal_handler import ExitSignalHandler
@@ -81,6 +83,7 @@ class Trainer:
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
     pipeline: Any = None  # megatron.pipeline.GPTPipeline when pp > 1 (then ``model`` is this rank's stages)
+    replanner: Any = None  # zb-auto re-planned from profiled costs (megatron.pipeline.trainer_hooks.attach_replanner)
 
     @property
     def consumed_train_samples(self) -> int:
@@ -408,6 +411,7 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
     ckpt = run.checkpoint
     if ckpt.load:
         load_checkpoint(tr, log=logger.print)
+    tr.replanner = attach_replanner(tr.pipeline, run, tr.ctx, logger.print)
     signals = ExitSignalHandler() if ckpt.exit_signal_handler else nullcontext()
     with signals:
         summary = _train_loop(tr, logger, tokens_per_iter, flops_per_iter, signals)
@@ -434,6 +438,7 @@ def _train_loop(
     start_iteration = tr.iteration
     while tr.iteration < t.train_iters:
         res = train_step(tr)
+        replan_after_iteration(tr.pipeline, tr.replanner, tr.iteration - 1)
         window_loss += res.loss if math.isfinite(res.loss) else 0.0
         window_iters += 1
         window_skipped += int(res.skipped)

@@ -156,3 +156,46 @@ def pipeline_summary(run: RunConfig, pipe: GPTPipeline | None) -> dict[str, str]
     if run.pipeline.trace_path:
         out["pipeline trace"] = run.pipeline.trace_path
     return out
+
+
+def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelContext, log: Any) -> Any:
+    """zb-auto from profiled costs: a ``WindowReplanner`` over ``--zero-bubble-pipeline-timers-start/end-iter``.
+
+    Returns ``None`` unless the run uses the built-in zb-auto with a profiling window.  Every rank builds it (the
+    switch is collective over the job so all tensor- and data-parallel replicas adopt one plan).
+    """
+    cfg = run.pipeline
+    if (
+        pipe is None
+        or cfg.schedule != "zb-auto"
+        or cfg.schedule_file is not None
+        or cfg.timers_start_iter is None
+        or cfg.timers_end_iter is None
+    ):
+        return None
+    import os
+
+    from zb_pipeline.runtime.profiler import WindowReplanner
+
+    save = run.checkpoint.save
+    return WindowReplanner(
+        pipe.executor,
+        start_iter=cfg.timers_start_iter,
+        end_iter=cfg.timers_end_iter,
+        name="zb-auto",
+        mem_limit="auto" if cfg.mem_limit_auto else None,
+        mem_limit_microbatches=cfg.mem_limit,
+        percentile=cfg.adaptive_memory_percentile,
+        group=ctx.pp_group,
+        save_path=os.path.join(save, "zb_profile.json") if save else None,
+        log=log,
+    )
+
+
+def replan_after_iteration(pipe: GPTPipeline | None, replanner: Any, iteration: int) -> None:
+    """After iteration ``iteration`` (0-based, as given to ``forward_backward``): switch plans at the window's end."""
+    if replanner is None or pipe is None:
+        return
+    replan = replanner.after_iteration(iteration)
+    if replan is not None:
+        pipe.schedule = replan.schedule  # the executor's plan was swapped in place (same p, m and placement)

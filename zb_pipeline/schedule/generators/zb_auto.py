@@ -288,7 +288,12 @@ def list_schedule_py(
 
 
 def evaluate_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> float:
-    """Makespan of fixed per-rank plans (codes as above) under ``st``'s costs: the simulator's timing, fast.
+    """Makespan of fixed per-rank plans (codes as above) under ``st``'s costs: the simulator's timing, fast."""
+    return max(spans_py(m, st, plans))
+
+
+def spans_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> list[float]:
+    """Per-rank spans of fixed plans (the makespan is their maximum) under the simulator's timing.
 
     Each rank's clock is the end of its last action; an action starts at the later of its rank's clock and its
     dependencies' ends (+ comm across ranks).  Ranks are swept until all finish (a stuck sweep raises).
@@ -339,7 +344,7 @@ def evaluate_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> floa
                 remaining += 1
         if remaining and not progressed:
             raise ValueError("plan can never finish: every unfinished rank waits on another")
-    return max(clock[r] - first[r] for r in range(p))
+    return [clock[r] - first[r] for r in range(p)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -564,6 +569,12 @@ class Engine:
             return self._cpp.evaluate(plans)
         return evaluate_py(self.m, self.st, plans)
 
+    def spans(self, plans: Sequence[Sequence[int]]) -> list[float]:
+        """Simulated span of every rank (``ValueError`` if the plans deadlock)."""
+        if self._cpp is not None:
+            return self._cpp.spans(plans)
+        return spans_py(self.m, self.st, plans)
+
 
 def _run(
     backend: str, m: int, st: StageArrays, pol: Policy, want_plan: bool = True, bound: float = INF
@@ -613,18 +624,16 @@ def search(
     st = StageArrays.of(costs, resolve_mem_limit(p, costs, mem_limit))
     eng = Engine(be, m, st)
     floor = lower_bound(m, st)
-    span, pol, passes, work = _search_view(p, m, costs, eng, improve, budget, floor)
-    plans, _, again, _ = eng.run(pol, want_plan=True)
-    assert plans is not None and again == span
+    span, pol, plans, passes, work = _search_view(p, m, costs, eng, improve, budget, floor)
     if median_view and not _stage_uniform(costs) and span > floor + _tol(floor):
         # One more candidate: the plan the same search makes when every stage costs the median, scored with the
         # true costs.  Passes make local decisions from the costs they see, and on some shapes the smoother view
         # happens to decide better; keeping it as a candidate means real costs never lose to a median plan.
         med = _median(costs)
         eng_med = Engine(be, m, StageArrays.of(med, st.cap))
-        _, v_pol, v_passes, v_work = _search_view(p, m, med, eng_med, improve, budget, lower_bound(m, eng_med.st))
-        v_plans, _, _, _ = eng_med.run(v_pol, want_plan=True)
-        assert v_plans is not None
+        _, v_pol, v_plans, v_passes, v_work = _search_view(
+            p, m, med, eng_med, improve, budget, lower_bound(m, eng_med.st)
+        )
         v_span = eng.evaluate(v_plans)
         passes += v_passes
         work += v_work
@@ -636,13 +645,15 @@ def search(
 
 def _search_view(
     p: int, m: int, costs: StageCosts, eng: Engine, improve: bool, budget: float, floor: float
-) -> tuple[float, Policy, int, int]:
-    """The variant family (cut by the best so far), then the improvement pass: (makespan, policy, passes, work)."""
+) -> tuple[float, Policy, list[list[int]], int, int]:
+    """The variant family (cut by the best so far), the local search on knobs, then the polish of the plan:
+    (makespan, policy, plans, passes, work)."""
     family = policies(p, m, costs)
     n_anchor = len(anchors(p, m))
     min_passes = n_anchor + len(_FIRST)
     best: tuple[float, Policy] | None = None
     passes = work = 0
+    done = False
     for i, pol in enumerate(family):
         if i >= min_passes and work >= budget:
             break
@@ -653,13 +664,22 @@ def _search_view(
         if best is None or score < best[0] - _tol(best[0]):
             best = (score, pol)
         if best[0] <= floor + _tol(floor):  # no plan can do better
-            return best[0], best[1], passes, work
+            done = True
+            break
     assert best is not None
-    if improve and p > 1 and work < budget:
+    if not done and improve and p > 1 and work < budget:
         best, extra, extra_work = _improve(eng, best, budget - work)
         passes += extra
         work += extra_work
-    return best[0], best[1], passes, work
+    span, pol = best
+    plans, _, again, _ = eng.run(pol, want_plan=True)
+    assert plans is not None and again == span
+    if improve and span > floor + _tol(floor) and 3 * p * m <= POLISH_MAX_ACTIONS:
+        plans, polished, extra_work = polish(eng, plans, span, max(0.0, budget - work))
+        work += extra_work
+        if polished < span - _tol(span):
+            span, pol = polished, replace(pol, label=pol.label + " +polish")
+    return span, pol, plans, passes, work
 
 
 def _stage_uniform(costs: StageCosts) -> bool:
@@ -724,6 +744,55 @@ def _improve(eng: Engine, best: tuple[float, Policy], budget: float) -> tuple[tu
         if not found:
             break
     return (span, pol), passes, work
+
+
+def polish(eng: Engine, plans: list[list[int]], span: float, budget: float) -> tuple[list[list[int]], float, int]:
+    """Local search on the plan itself: swap two neighbouring actions of a rank while that helps.
+
+    A swap must keep each stream in microbatch order, every B after its F and every W after its B, the memory
+    within the cap, and the plan free of deadlock.  It is kept when it lowers (makespan, sum of rank spans)
+    lexicographically: the second key walks the plateaus where many orders share a makespan.  Each trial is one
+    simulation of the plan (3pm actions), within ``budget``.  Returns (plans, makespan, actions simulated).
+    """
+    m, st = eng.m, eng.st
+    deltas = (st.mem_f, st.mem_b, st.mem_w)
+    cur = eng.spans(plans)
+    key = (max(cur), sum(cur))
+    size = sum(len(x) for x in plans)
+    work = 0
+    improved = True
+    while improved and work + size <= budget:
+        improved = False
+        for r in range(len(plans) - 1, -1, -1):
+            plan, cap = plans[r], st.cap[r]
+            mem = 0.0
+            for i in range(len(plan) - 1):
+                a, b = plan[i], plan[i + 1]
+                ka, ja = divmod(a, m)
+                kb, jb = divmod(b, m)
+                if ka == kb or ja == jb or mem + deltas[kb][r] > cap + _EPS or work + size > budget:
+                    mem += deltas[ka][r]
+                    continue
+                plan[i], plan[i + 1] = b, a
+                work += size
+                try:
+                    trial = eng.spans(plans)
+                except ValueError:  # the swap deadlocks
+                    trial = None
+                if trial is not None and (
+                    max(trial) < key[0] - _tol(key[0])
+                    or (max(trial) <= key[0] + _tol(key[0]) and sum(trial) < key[1] - _tol(key[1]))
+                ):
+                    key, improved = (min(max(trial), key[0]), sum(trial)), True
+                    mem += deltas[kb][r]
+                else:
+                    plan[i], plan[i + 1] = a, b
+                    mem += deltas[ka][r]
+    return plans, key[0], work
+
+
+# Polish only plans of at most this many actions (3pm): each trial is a full simulation.
+POLISH_MAX_ACTIONS = 1536
 
 
 # Sweeps of the local search (each sweep tries up to 6p moves).

@@ -1,0 +1,64 @@
+"""zb-auto re-planned from profiled costs inside the trainer (--zero-bubble-pipeline-timers-start/end-iter).
+
+The profiling window times every F, B and W per stage; at its end every rank regenerates zb-auto from those costs
+and switches plans at the iteration boundary.  Switching plans changes only the order of work, so the losses stay
+those of pp = 1 (relative 1e-4, fixed before measuring: the order of the weight-gradient accumulation may change),
+the switch is logged, and the saved profile gives the same plan offline through ``zb-schedule --profile``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+
+from zb_pipeline.testing.harness import run_multiprocess
+
+STEPS = 5
+ARGV = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+    "--vocab-size", "120", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--train-iters", str(STEPS), "--lr", "3e-3", "--lr-warmup-iters", "1", "--attention-dropout", "0",
+    "--hidden-dropout", "0", "--seed", "11", "--log-interval", "1", "--distributed-timeout-seconds", "60",
+    "--untie-embeddings-and-output-weights", "--eval-iters", "0",
+]  # fmt: skip
+WINDOW = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+
+
+def _train(rank: int, world_size: int, argv: list[str]) -> dict:
+    import torch
+
+    from megatron.arguments import parse_run_config
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    stream = io.StringIO()
+    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
+    return {"losses": list(summary.losses), "log": stream.getvalue()}
+
+
+def test_zb_auto_replans_from_profile_and_keeps_losses(tmp_path) -> None:
+    from zb_pipeline.runtime.profiler import Profile, regenerate
+    from zb_pipeline.schedule.plan_file import load_plan
+
+    reference = run_multiprocess(_train, 1, args=(ARGV,), timeout_s=240)[0]["losses"]
+    save = str(tmp_path / "ckpt")
+    argv = [*ARGV, "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *WINDOW, "--save", save]
+    results = run_multiprocess(_train, 2, args=(argv,), timeout_s=240)
+    losses = results[0]["losses"]
+    assert len(losses) == len(reference) == STEPS
+    assert all(math.isfinite(x) and abs(x - y) <= 1e-4 * abs(y) for x, y in zip(losses, reference)), (
+        losses,
+        reference,
+    )
+    log = "".join(r["log"] for r in results)
+    assert "replanned zb-auto" in log
+    # The saved profile plans offline exactly what the trainer switched to.
+    prof_path = os.path.join(save, "zb_profile.json")
+    profile = Profile.load(prof_path)
+    again = regenerate(profile, 4, name="zb-auto").schedule
+    from zb_pipeline.schedule.cli import main as zb_schedule
+
+    out = tmp_path / "plan.json"
+    assert zb_schedule(["simulate", "zb-auto", "-p", "2", "-m", "4", "--profile", prof_path, "--export", str(out)]) == 0
+    assert load_plan(out).ranks == again.ranks
