@@ -11,27 +11,40 @@ ran (the plan's simulated timing under the same model as ``simulate.py``).  A pa
 
 The policy of rank ``r`` at time ``t``:
 
-1. its next ``B`` if the input gradient has arrived (after a ``W`` first when the ``B`` would overrun the cap);
-2. else its next ``F`` if the activation has arrived, the rank has room for it (memory after the ``F`` plus the
+1. its next ``B`` if the input gradient has arrived (after a ``W`` first when the ``B`` would overrun the cap),
+   unless an admissible ``F`` is ready and fewer than ``ahead[r]`` forwards await their ``B``;
+2. else its oldest pending ``W`` if more than ``lag[r]`` are pending;
+3. else its next ``F`` if the activation has arrived, the rank has room for it (memory after the ``F`` plus the
    ``B`` that will follow stays within the cap) and the rank's *warm-up budget* allows it (at most ``warm[r]``
    forwards before its first ``B``); with ``f_fits`` only if the ``F`` ends before the next ``B`` is due;
-3. else its oldest pending ``W`` if it ends no later than ``theta_w * T_W`` after the next ``B`` is due (or when it
+4. else its oldest pending ``W`` if it ends no later than ``theta_w * T_W`` after the next ``B`` is due (or when it
    is not known yet when that ``B`` will come);
-4. else it waits for the next arrival.
+5. else it waits for the next arrival.
 
-Each policy variant is one pass; the search runs a family of variants -- warm-up budgets (none, the number of
-forwards that fit before the first gradient returns computed from the real per-stage costs, rounded both ways,
-and 1F1B's ``p - r``), W thresholds ``theta_w`` in {0, 1/2, 1, inf} and both ``f_fits`` settings -- and keeps the
-plan with the smallest makespan (ties: the earlier variant).  Then a local improvement pass tries to lower the
-warm-up budget of single ranks of the best variant and keeps any change that shortens the makespan.  Passes stop
-early once their span exceeds the best so far, and the search ends at once when a plan reaches the busiest rank's
-own work (no plan can do better).  The effort is bounded (``SEARCH_BUDGET`` simulated actions): small shapes run
-the whole family, large ones the variants that were most often best on a measured grid, in that order.
+A *static* variant instead follows a fixed order by counts: a W once more than ``lag[r]`` are pending (or to make
+room for a wanted F), else an F while fewer than ``warm[r]`` forwards await their B, else a B; the rank waits for
+what it chose.  ZB-H1 is the static variant warm = p - r, lag = r; ZB-H2 is the dynamic one with warm = 2(p-r) - 1,
+B first, no lag and theta_w = 0.  These two *anchors* run first and uncut, so the search's own result is never worse
+than ZB-H1 or ZB-H2 within its limit, for any costs, T_comm > 0 included.
+
+Each policy variant is one pass; the search runs the anchors, then a family of variants -- warm-up budgets (none,
+the number of forwards that fit before the first gradient returns computed from the real per-stage costs, rounded
+both ways, 1F1B's ``p - r`` and ZB-H2's ``2(p - r) - 1``), ``ahead``, ``lag``, W thresholds ``theta_w`` in
+{-inf, 0, 1/2, 1, inf}, ``f_fits`` and ``guard``, and the static orders -- and keeps the plan with the smallest
+makespan (scored with the simulator's as-soon-as-possible timing of the plan; ties: the earlier variant).  Then a
+local search moves one knob (warm, ahead, lag) of one rank by one while that shortens the makespan, and on small
+shapes (``POLISH_MAX_ACTIONS``) ``polish`` swaps neighbouring actions of the plan itself.
+
+Pruning: ``lower_bound`` is a makespan no plan can beat (own work plus unavoidable idle, a downstream bottleneck,
+memory throughput); a plan that reaches it is optimal and ends the search at once (at F = B, c = 0 the anchors do).
+A pass stops as soon as some rank's time used plus its remaining work exceeds the best makespan so far.  The effort
+is bounded (``SEARCH_BUDGET`` simulated actions, cut passes counting what they ran): the anchors and the variants
+that were most often best on a measured grid (``_FIRST``) always run, the rest while the budget lasts.
 
 With stage costs that differ, the same search is also run on the median view of the costs (every stage at the
 median) and its plan, scored with the true costs, is one more candidate: the passes decide locally, and on a few
-shapes (6 of 300 random heterogeneous cases, by up to 3 %; the per-stage search was better in 15) the
-smoother view decides better.  The result is therefore never worse than a plan searched from median costs.
+shapes the smoother view decides better.  The result is therefore never worse than a plan searched from median
+costs.
 
 Memory limit
 ------------
@@ -41,8 +54,9 @@ Memory limit
 
 Speed
 -----
-The passes run in C++ (``zb_pipeline.schedule._zb_auto_cpp``, built from ``csrc/zb_auto_search.cpp``) when the
-extension is built, else in the Python reference below; both give identical plans (tested).
+The passes and the scoring run in C++ (``zb_pipeline.schedule._zb_auto_cpp.Searcher``, built from
+``csrc/zb_auto_search.cpp``) when the extension is built, else in the Python reference below; both give identical
+plans, spans, scores and work counts (tested).  The final ``Schedule`` reuses interned ``Action`` objects.
 """
 
 from __future__ import annotations
@@ -109,8 +123,7 @@ class StageArrays:
 class SearchResult:
     """The plan the search chose, its makespan, the variant that made it, and how many passes ran.
 
-    ``makespan`` is the pass's own timing, which keeps the waits the policy chose; ``simulate`` starts every
-    action as soon as possible and so reports the same or (rarely, seen at p = 16) a slightly smaller value.
+    ``makespan`` is the plan's simulated makespan (as soon as possible, exactly what ``simulate`` reports).
     """
 
     schedule: Schedule
