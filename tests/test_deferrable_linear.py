@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_configs import tiny_config
 
 from megatron.model import GPTConfig
 from megatron.model.embedding import PositionEmbedding
@@ -150,19 +151,7 @@ def test_plain_mode_matches_torch_linear() -> None:
 
 
 def _tiny_config(**kw) -> GPTConfig:
-    base = dict(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=50,
-        seq_length=16,
-        make_vocab_size_divisible_by=8,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
-    base.update(kw)
-    return GPTConfig(**base)
+    return tiny_config(**{"vocab_size": 50, **kw})
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_configs import tiny_config
 
 from megatron.config.errors import ConfigError
 from megatron.model import GPTConfig, build_gpt_model, build_gpt_stages, stage_layer_ranges
@@ -14,19 +15,7 @@ torch.set_num_threads(1)
 
 
 def tiny(**kw) -> GPTConfig:
-    base = dict(
-        num_layers=3,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_query_groups=2,
-        vocab_size=100,
-        seq_length=16,
-        make_vocab_size_divisible_by=8,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
-    base.update(kw)
-    return GPTConfig(**base)
+    return tiny_config(**{"num_layers": 3, **kw})
 
 
 VARIANTS = {

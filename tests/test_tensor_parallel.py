@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from model_configs import TINY
 
 from megatron.model import GPTConfig, build_gpt_model
 from megatron.parallel.tensor_parallel import (
@@ -19,17 +20,7 @@ from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_g
 from zb_pipeline.testing.harness import run_multiprocess
 
 SEED = 11
-BASE = dict(
-    num_layers=2,
-    hidden_size=32,
-    num_attention_heads=4,
-    num_query_groups=2,
-    vocab_size=100,
-    seq_length=16,
-    make_vocab_size_divisible_by=8,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+BASE = TINY
 CASES = {
     "tied": (dict(), False),
     "tied-sp": (dict(), True),

@@ -78,3 +78,26 @@ class MegatronTokenizer(ABC):
 
     def __repr__(self) -> str:
         return f"<{self.describe()}>"
+
+
+class StoredIdsMixin:
+    """``vocab_size``, ``eod`` and ``pad`` read from ``_vocab_size``, ``_eod`` and ``_pad`` set in ``__init__``.
+
+    Put it before ``MegatronTokenizer`` in the bases so these properties fill its abstract ones.
+    """
+
+    _vocab_size: int
+    _eod: int
+    _pad: int
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    @property
+    def pad(self) -> int:
+        return self._pad

@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from megatron.tokenizer.base import MegatronTokenizer, clean_text
+from megatron.tokenizer.base import MegatronTokenizer, StoredIdsMixin, clean_text
 
 
-class SentencePieceTokenizer(MegatronTokenizer):
+class SentencePieceTokenizer(StoredIdsMixin, MegatronTokenizer):
     name = "SentencePieceTokenizer"
 
     def __init__(self, model_file: str | os.PathLike) -> None:
@@ -41,18 +41,6 @@ class SentencePieceTokenizer(MegatronTokenizer):
         self._pad = pad if pad >= 0 else self._eod
         self.vocab = {self.sp.IdToPiece(i): i for i in range(n)}
         self.inv_vocab = {i: p for p, i in self.vocab.items()}
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         return self.sp.EncodeAsIds(clean_text(text))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from megatron.tokenizer.base import MegatronTokenizer, clean_text
+from megatron.tokenizer.base import MegatronTokenizer, StoredIdsMixin, clean_text
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
@@ -48,7 +48,7 @@ class NullTokenizer(MegatronTokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
-class HuggingFaceTokenizer(MegatronTokenizer):
+class HuggingFaceTokenizer(StoredIdsMixin, MegatronTokenizer):
     """A HuggingFace tokenizer (`--tokenizer-type HuggingFaceTokenizer --tokenizer-model NAME_OR_PATH`), offline only.
 
     A `tokenizer.json` file (or a directory holding one) loads through the `tokenizers` package alone. Anything else
@@ -101,18 +101,6 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         self._vocab_size = max(vocab.values()) + 1
         pad = None if self._hf is None else self._hf.pad_token_id
         self._pad = self._eod if pad is None else int(pad)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        return self._eod
-
-    @property
-    def pad(self) -> int:
-        return self._pad
 
     def tokenize(self, text: str) -> list[int]:
         text = clean_text(text)

@@ -99,9 +99,10 @@ class StageCosts:
                 if len(values) == 1:
                     values = values * num_ranks
                 elif len(values) != num_ranks:
+                    per_stage = f" or one per virtual stage ({num_stages})" if chunks > 1 else ""
                     raise ValueError(
                         f"--{name.replace('_', '-')} has {len(values)} values: give one number, one per rank "
-                        f"({num_ranks}) or one per virtual stage ({num_stages})"
+                        f"({num_ranks}){per_stage}"
                     )
             # A rank's whole share: each of its chunks costs 1/chunks of it.
             return tuple(values[stage_to_rank[s]] / chunks for s in range(num_stages))
