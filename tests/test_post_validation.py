@@ -10,6 +10,7 @@ are forced to inf/NaN on chosen ranks at chosen iterations.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -28,8 +29,15 @@ from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.trace import Tracer
 from zb_pipeline.schedule.ir import Kind
-from zb_pipeline.schedule.lowering import lower
-from zb_pipeline.schedule.post_validation_pass import add_post_validation, post_validation_ops
+from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule, lower
+from zb_pipeline.schedule.post_validation_pass import (
+    add_post_validation,
+    post_validation_ops,
+    prologue_ops,
+    validation_cut,
+    validation_ops,
+    without_post_validation,
+)
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.validate import ScheduleError, validate_lowered
 from zb_pipeline.testing.harness import run_multiprocess
@@ -100,6 +108,7 @@ class PVCase:
     trace: bool = False
     slow_last_b_ms: float = 0.0  # rank 0 sleeps in its last B (trace test)
     factors: tuple = tuple(FACTORS)
+    dropout: float = 0.0  # random masks in every stage: a replayed iteration must restore the RNG state
 
 
 def _build(case: PVCase, rank: int, with_pv: bool, tracer: Tracer | None):
@@ -107,7 +116,7 @@ def _build(case: PVCase, rank: int, with_pv: bool, tracer: Tracer | None):
     if with_pv:
         lowered = add_post_validation(lowered)
     validate_lowered(lowered)
-    stages = {s: MLPStage(s) for s in lowered.schedule.stages_of(rank)}
+    stages = {s: _stage(s, case.dropout) for s in lowered.schedule.stages_of(rank)}
     named = [(f"{s}.{n}", prm) for s, mod in stages.items() for n, prm in mod.named_parameters()]
     for _, prm in named:
         prm.main_grad = torch.zeros_like(prm)
@@ -118,6 +127,10 @@ def _build(case: PVCase, rank: int, with_pv: bool, tracer: Tracer | None):
         named, OptimizerConfig(clip_grad=CLIP, weight_decay=0.01), precision, stats_group=dist.group.WORLD
     )
     return lowered, stages, opt
+
+
+def _stage(s: int, dropout: float) -> torch.nn.Module:
+    return torch.nn.Sequential(MLPStage(s), torch.nn.Dropout(dropout)) if dropout else MLPStage(s)
 
 
 def _record(opt: MainParamOptimizer) -> dict:
@@ -131,6 +144,7 @@ def _record(opt: MainParamOptimizer) -> dict:
 
 
 def _run(rank: int, case: PVCase, with_pv: bool) -> dict:
+    torch.manual_seed(7 + rank)  # dropout masks: the same stream in both runs
     tracer = Tracer(rank) if case.trace else None
     lowered, stages, opt = _build(case, rank, with_pv, tracer)
     adapter = MainParamAdapter(opt)
@@ -190,6 +204,7 @@ def _run(rank: int, case: PVCase, with_pv: bool) -> dict:
         "losses": losses,
         "records": records,
         "counts": dict(validator.counts) if validator else None,
+        "replays": ex.replays,
         "trace": tracer.events if tracer is not None else None,
     }
 
@@ -234,11 +249,22 @@ def test_post_validation_matches_megatron_optimizer_p2(precision: str) -> None:
 
 
 def test_post_validation_matches_ordered_sync_p4() -> None:
-    case = PVCase(p=4, m=5, schedule="zb-h1", sync="ordered", inject={2: (3, "inf"), 7: (1, "nan"), 12: (2, "inf")})
+    # Dropout in every stage: iterations whose warm-up forwards ran with weights that validation then changed are
+    # replayed with the RNG state of the iteration's start, so the masks (and everything after) still match.
+    case = PVCase(
+        p=4,
+        m=5,
+        schedule="zb-h1",
+        sync="ordered",
+        inject={2: (3, "inf"), 7: (1, "nan"), 12: (2, "inf")},
+        dropout=0.2,
+    )
     results = run_multiprocess(pv_rank, 4, args=(case,), timeout_s=240)
     for r, res in enumerate(results):
         _assert_identical(res["sync"], res["pv"], r)
     assert sum(res["pv"]["counts"]["rollback_nonfinite"] for res in results) > 0
+    replays = {res["pv"]["replays"] for res in results}
+    assert len(replays) == 1 and replays.pop() > 0  # every rank replays the same iterations
 
 
 # Bounds fixed before measuring: rank 0 sleeps 200 ms in its last B.  The synchronised rank p - 1 must wait at
@@ -269,21 +295,81 @@ def test_no_wait_between_last_backward_and_step() -> None:
 
 
 # ------------------------------------------------------------------------------------- plan (single process)
-@pytest.mark.parametrize("name,p,m,chunks", [("1f1b", 4, 8, None), ("zb-h2", 3, 6, None), ("zb-v", 4, 8, 2)])
-def test_pass_adds_a_valid_chain(name: str, p: int, m: int, chunks: int | None) -> None:
-    lowered = add_post_validation(lower(generate(name, p, m, chunks=chunks)))
+def _consistent(lowered, cut: list[int]) -> bool:
+    """Per ordered pair of ranks, the sends before the sender's cut are the receives before the receiver's cut."""
+    p = lowered.schedule.num_ranks
+    count = {}
+    for r, steps in enumerate(lowered.ranks):
+        for st in steps[: cut[r]]:
+            if isinstance(st, CommBatch):
+                for a in st.actions:
+                    send = a.kind in (Kind.SEND_F, Kind.SEND_B)
+                    key = (r, a.peer) if send else (a.peer, r)
+                    count[key] = count.get(key, 0) + (1 if send else -1)
+    return all(v == 0 for v in count.values()) and len(cut) == p
+
+
+def _first_backward(steps) -> int:
+    return next(
+        (j for j, st in enumerate(steps) if not isinstance(st, CommBatch) and st.kind in (Kind.B, Kind.BW, Kind.W)),
+        len(steps),
+    )
+
+
+@pytest.mark.parametrize(
+    "name,p,m,chunks",
+    [
+        ("1f1b", 4, 8, None),
+        ("zb-h2", 3, 6, None),
+        ("zb-v", 4, 8, 2),
+        ("interleaved-1f1b", 2, 4, 2),
+        ("gpipe", 3, 2, None),
+    ],
+)
+def test_pass_puts_the_chain_at_a_consistent_cut(name: str, p: int, m: int, chunks: int | None) -> None:
+    plain = lower(generate(name, p, m, chunks=chunks))
+    cut = validation_cut(plain)
+    assert _consistent(plain, cut)
+    lowered = add_post_validation(plain)
     validate_lowered(lowered)
     for r in range(p):
-        assert tuple(lowered.comm_actions(r)[: len(post_validation_ops(r, p))]) == post_validation_ops(r, p)
+        assert cut[r] <= _first_backward(plain.ranks[r])
+        head = [CommBatch((a,)) for a in prologue_ops(r, p)]
+        point = [CommBatch((a,)) for a in validation_ops(r, p)]
+        steps = list(lowered.ranks[r])
+        assert steps[: len(head)] == head
+        at = len(head) + cut[r]
+        assert steps[at : at + len(point)] == point
+        assert without_post_validation(lowered.ranks[r]) == plain.ranks[r]
+    assert post_validation_ops(1, 4) == prologue_ops(1, 4) + validation_ops(1, 4)
     with pytest.raises(ValueError, match="already carries"):
         add_post_validation(lowered)
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 2, 3), ("zb-h1", 3, 3), ("zb-v", 2, 2), ("zb-h2", 2, 3)])
+def test_validation_cut_is_the_largest_consistent_cut(name: str, p: int, m: int) -> None:
+    """Brute force over every cut vector below each rank's first backward action."""
+    plain = lower(generate(name, p, m))
+    ours = validation_cut(plain)
+    limits = [_first_backward(steps) for steps in plain.ranks]
+    for cand in itertools.product(*(range(n + 1) for n in limits)):
+        if _consistent(plain, list(cand)):
+            assert all(c <= o for c, o in zip(cand, ours)), f"{cand} is consistent and not below {ours}"
 
 
 def test_validator_rejects_a_broken_chain() -> None:
     lowered = add_post_validation(lower(generate("1f1b", 3, 4)))
     ranks = [list(r) for r in lowered.ranks]
     ranks[1] = ranks[1][:1] + ranks[1][2:]  # rank 1 drops its SEND_PV0@2
-    from zb_pipeline.schedule.lowering import LoweredSchedule
-
     with pytest.raises(ScheduleError, match="post-validation chain is incomplete"):
         validate_lowered(LoweredSchedule(lowered.schedule, tuple(map(tuple, ranks))))
+
+
+def test_validator_rejects_backward_before_the_validation_point() -> None:
+    lowered = add_post_validation(lower(generate("1f1b", 2, 3)))
+    steps = list(lowered.ranks[1])  # rank 1 (last): validates on its prologue receive; move that after its BW
+    first_bw = _first_backward(steps)
+    moved = steps[1 : first_bw + 1] + [steps[0]] + steps[first_bw + 1 :]
+    ranks = (lowered.ranks[0], tuple(moved))
+    with pytest.raises(ScheduleError, match="before the rank's post-validation point"):
+        validate_lowered(LoweredSchedule(lowered.schedule, ranks))

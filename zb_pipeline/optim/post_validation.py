@@ -98,11 +98,13 @@ class GlobalStats:
     found_nonfinite: bool
 
 
-def local_state(stats: torch.Tensor | None) -> torch.Tensor:
-    """The float64 ``[sum of squares, non-finite count, pending]`` a rank contributes (zeros: no pending step)."""
+def local_state(stats: torch.Tensor | None, *, stepped: bool = False) -> torch.Tensor:
+    """The float64 ``[sum of squares, non-finite count, pending, stepped]`` a rank contributes (zeros: no pending
+    step; ``stepped``: the rank updated its weights optimistically)."""
     if stats is None:
-        return torch.zeros(3, dtype=torch.float64)
-    return torch.cat([stats.detach().to(torch.float64).reshape(2).cpu(), torch.ones(1, dtype=torch.float64)])
+        return torch.zeros(4, dtype=torch.float64)
+    flags = torch.tensor([1.0, 1.0 if stepped else 0.0], dtype=torch.float64)
+    return torch.cat([stats.detach().to(torch.float64).reshape(2).cpu(), flags])
 
 
 def sum_in_rank_order(states: list[torch.Tensor]) -> torch.Tensor:
@@ -164,6 +166,9 @@ class Validation:
     outcome: str  # one of OUTCOMES
     stats: GlobalStats
     skipped: bool
+    # Some rank's weights changed at validation (rollback, or a held step taken), so every forward run since the
+    # step used wrong weights or wrong inputs: the whole pipeline replays the iteration (same on every rank).
+    replay: bool = False
 
 
 @dataclass
@@ -183,6 +188,7 @@ class PostValidator:
     last: Validation | None = None
     _partial: torch.Tensor | None = None
     _total: torch.Tensor | None = None
+    _validated: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.pp_rank < self.pp_size:
@@ -207,7 +213,9 @@ class PostValidator:
         else:
             decision, snap = STEPPED, opt.snapshot()
             opt.apply_update(lr, 1.0)
-        self.pending = Pending(lr=lr, decision=decision, state=local_state(local), snapshot=snap)
+        self.pending = Pending(
+            lr=lr, decision=decision, state=local_state(local, stepped=decision == STEPPED), snapshot=snap
+        )
         return decision
 
     def own_state(self) -> torch.Tensor:
@@ -252,7 +260,9 @@ class PostValidator:
             outcome = "held_clip"
         opt.zero_grad()
         self.counts[outcome] += 1
-        result = Validation(outcome=outcome, stats=stats, skipped=stats.found_nonfinite)
+        stepped_somewhere = int(total[3]) > 0
+        replay = stepped_somewhere if stats.found_nonfinite else coeff < 1.0
+        result = Validation(outcome=outcome, stats=stats, skipped=stats.found_nonfinite, replay=replay)
         self.last = result
         if self.on_validated is not None:
             self.on_validated(result)
@@ -280,8 +290,23 @@ class PostValidator:
         executor.handlers[Kind.SEND_PV] = self._send_handler
         executor.handlers[Kind.RECV_PV] = _no_payload
         executor.after_post[Kind.RECV_PV] = self._received
-        if self.pp_size == 1:  # no chain: the local state is the total
-            executor.on_iteration_start.append(lambda ex: self.validate(self.own_state()))
+        executor.on_iteration_start.append(self._iteration_start)
+        executor.on_iteration_end.append(self._iteration_end)
+
+    def _iteration_start(self, executor: Any) -> None:
+        self._partial = self._total = None
+        self._validated = False
+        if self.pp_size == 1:  # no chain: the local state is the total, validated before the first forward
+            self.validate(self.own_state())
+            self._validated = True
+
+    def _iteration_end(self, executor: Any) -> None:
+        """The executor's end-of-iteration check: the plan's chain delivered and this rank validated."""
+        if not self._validated:
+            raise RuntimeError(
+                f"pipeline rank {self.pp_rank}: the iteration ended without the fully reduced post-validation state; "
+                "the plan lacks its SEND_PV/RECV_PV chain (lower it with add_post_validation)"
+            )
 
     def _send_handler(self, executor: Any, a: Action) -> torch.Tensor:
         if a.microbatch == PV_FORWARD:
@@ -296,10 +321,16 @@ class PostValidator:
             self._partial = buf + self.own_state()  # P(r) = P(r-1) + L(r), the order of sum_in_rank_order
             if self.pp_rank == self.pp_size - 1:
                 self._total = self._partial
-                self.validate(self._total)
+                self._validate_in_plan(executor)
         elif a.microbatch == PV_BACK:
             self._total = buf.clone()
-            self.validate(self._total)
+            self._validate_in_plan(executor)
+
+    def _validate_in_plan(self, executor: Any) -> None:
+        result = self.validate(self._total)
+        self._validated = True
+        if result is not None and result.replay:
+            executor.request_replay()
 
 
 def _no_payload(executor: Any, a: Action) -> None:

@@ -45,6 +45,7 @@ from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
 from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
+from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
 
 Handler = Callable[["PipelineExecutor", Action], Any]
 InputFn = Callable[[int], torch.Tensor]
@@ -125,40 +126,33 @@ class PipelineExecutor:
         self._pending_w: set[int] = set()
         self.losses: list[torch.Tensor | None] = []
         self.iteration = 0
+        self.on_iteration_end: list[Callable[[PipelineExecutor], None]] = []  # checks before the P2P finish
+        self.replay_requested = False
+        self.replays = 0  # iterations replayed (post-validation changed the weights their first forwards used)
+        self._replay_cache: tuple[Any, int | None] = (None, None)
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, iteration: int | None = None) -> list[torch.Tensor]:
         """Execute one iteration; return the per-microbatch losses (empty unless this rank holds the last stage)."""
         if iteration is not None:
             self.iteration = iteration
-        m = self.num_microbatches
-        self.losses = [None] * m
-        handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.after_post
+        self.losses = [None] * self.num_microbatches
+        tracer, p2p = self.tracer, self.p2p
         if tracer is not None:
             tracer.begin_iteration(self.iteration)
+        steps = self.steps
         if p2p is not None and p2p.check:
-            p2p.expect(self.steps)
+            p2p.expect(steps)
+        replay_at = self._replay_point()
+        rng = _capture_rng() if replay_at is not None else None
+        self.replay_requested = False
         for hook in self.on_iteration_start:
             hook(self)
         try:
-            for step in self.steps:
-                if type(step) is CommBatch:
-                    p2p.post(step, self._payload)
-                    if after_post:
-                        for a in step.actions:
-                            hook = after_post.get(a.kind)
-                            if hook is not None:
-                                hook(self, a)
-                    continue
-                handler = handlers.get(step.kind)
-                if handler is None:
-                    raise KeyError(f"rank {self.rank}: no handler for action kind {step.kind.value} ({step})")
-                if tracer is None:
-                    handler(self, step)
-                else:
-                    t0 = time.perf_counter()
-                    handler(self, step)
-                    tracer.compute(step, t0, time.perf_counter())
+            if self._execute(steps, replay_at):
+                self._replay(rng)
+            for hook in self.on_iteration_end:
+                hook(self)
             if p2p is not None:
                 p2p.finish()
             self._assert_clean()
@@ -169,6 +163,63 @@ class PipelineExecutor:
         if self.num_stages - 1 not in self.stages:
             return []
         return list(self.losses)
+
+    def _execute(self, steps: tuple, replay_at: int | None) -> bool:
+        """Run ``steps``; True if a replay was requested by the time the replay point was reached."""
+        handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.after_post
+        for j, step in enumerate(steps):
+            if type(step) is CommBatch:
+                p2p.post(step, self._payload)
+                if after_post:
+                    for a in step.actions:
+                        hook = after_post.get(a.kind)
+                        if hook is not None:
+                            hook(self, a)
+                if j + 1 == replay_at and self.replay_requested:
+                    return True
+                continue
+            handler = handlers.get(step.kind)
+            if handler is None:
+                raise KeyError(f"rank {self.rank}: no handler for action kind {step.kind.value} ({step})")
+            if tracer is None:
+                handler(self, step)
+            else:
+                t0 = time.perf_counter()
+                handler(self, step)
+                tracer.compute(step, t0, time.perf_counter())
+        return False
+
+    # -- replay (optimizer post-validation) -------------------------------------------------------------------
+    def _replay_point(self) -> int | None:
+        """Index after this rank's last cross-iteration (post-validation) batch; ``None`` if the plan has none."""
+        if self._replay_cache[0] is not self.steps:
+            self._replay_cache = (self.steps, replay_point(self.steps))
+        return self._replay_cache[1]
+
+    def request_replay(self) -> None:
+        """Discard this iteration's work so far and run it again from its first action, once the rank reaches its
+        replay point (after its last post-validation op).  Every rank of the pipeline must request it alike."""
+        self.replay_requested = True
+
+    def _replay(self, rng: Any) -> None:
+        t0 = time.perf_counter()
+        if self.p2p is not None:
+            self.p2p.drain()  # the prefix is a consistent cut: every rank completes the same transfers
+        self._saved.clear()
+        self._local_act.clear()
+        self._local_grad.clear()
+        self._to_send.clear()
+        self._pending_w.clear()
+        self.store.assert_empty()  # no backward ran before the replay point
+        self.losses = [None] * self.num_microbatches
+        _restore_rng(rng)
+        steps = without_post_validation(self.steps)
+        if self.p2p is not None and self.p2p.check:
+            self.p2p.expect(steps)
+        self.replays += 1
+        if self.tracer is not None:
+            self.tracer.mark("replay", t0, time.perf_counter())
+        self._execute(steps, None)
 
     def _payload(self, a: Action) -> torch.Tensor | None:
         handler = self.handlers.get(a.kind)
@@ -270,6 +321,19 @@ class PipelineExecutor:
             raise PipelineCommError(
                 f"rank {self.rank}: {a} is posted before its data exists (the producing action has not run)"
             ) from None
+
+
+def _capture_rng() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None] | None) -> None:
+    if state is None:
+        return
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
 
 
 # ------------------------------------------------------------------------------------------ built-in handlers

@@ -67,8 +67,8 @@ class TensorSpec:
 
 
 # The post-validation state a SEND_PV/RECV_PV moves: float64 [sum of squared grads, non-finite count, ranks with a
-# pending step] (``zb_pipeline.optim.post_validation``).
-POST_VALIDATION_SPEC = TensorSpec((3,), torch.float64)
+# pending step, ranks that stepped optimistically] (``zb_pipeline.optim.post_validation``).
+POST_VALIDATION_SPEC = TensorSpec((4,), torch.float64)
 
 
 def transfer_identity(action: Action) -> tuple[int, int, int]:
@@ -341,6 +341,25 @@ class PipelineP2P:
         if self._expected is not None and any(self._expected.values()):
             left = ", ".join(str(a) for q in self._expected.values() for a in q)
             raise CommOrderError(f"rank {self.pp_rank}: planned transfers never posted: {left}")
+
+    def drain(self) -> None:
+        """Complete every op posted so far and drop the received data (an iteration about to be replayed).
+
+        Only safe at a consistent cut of the plan (every rank drains the same transfers), which is where
+        post-validation calls it (``zb_pipeline.schedule.post_validation_pass``).
+        """
+        deadline = time.monotonic() + self.timeout_s
+        pending = [(w, a) for w, _, a in self._sends] + [(w, a) for w, _, a in self._acks]
+        pending += [(w, a) for w, _, a in self._recvs.values() if w is not None]
+        for work, a in pending:
+            if not self._wait_until(work, deadline):
+                raise PipelineCommError(
+                    f"rank {self.pp_rank}: draining the transfers before a replay, {a} with rank {a.peer} did not "
+                    f"complete within {self.timeout_s:g} s"
+                )
+        self._sends, self._acks = [], []
+        self._recvs.clear()
+        self._expected = None
 
     def pending(self) -> list[Action]:
         """Ops posted but not yet consumed or known complete."""

@@ -41,7 +41,7 @@ from zb_pipeline.schedule.lowering import (
 
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 _SEND_PV, _RECV_PV = Kind.SEND_PV, Kind.RECV_PV
-_F, _B, _BW = Kind.F, Kind.B, Kind.BW
+_F, _B, _BW, _W = Kind.F, Kind.B, Kind.BW, Kind.W
 _MAX_STUCK_LISTED = 4
 
 
@@ -451,6 +451,7 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
                     raise _fail(lowered, msg, q, j)
 
     _check_pv_complete(lowered, sent, recvd, pv_base)
+    _check_pv_placement(lowered)
 
     # Order: the k-th send from src to dst is matched with the k-th receive at dst from src.  (Both lists have the
     # same length here: every transfer has exactly one send and one receive.)
@@ -503,6 +504,39 @@ def _check_pv_complete(lowered: LoweredSchedule, sent: list[int], recvd: list[in
             raise _fail(lowered, f"rank {src}: no {src}SEND_PV{c}@{dst} (the post-validation chain is incomplete)", src)
         if recvd[tid] < 0:
             raise _fail(lowered, f"rank {dst}: no {dst}RECV_PV{c}@{src} (the post-validation chain is incomplete)", dst)
+
+
+def _check_pv_placement(lowered: LoweredSchedule) -> None:
+    """Post-validation order on each rank: a chain's receive before its send, and the validation point (the
+    fully reduced state's arrival) before the rank's first backward action -- gradients are zeroed at validation."""
+    p = lowered.schedule.num_ranks
+    for r, steps in enumerate(lowered.ranks):
+        where: dict[tuple[Kind, int], int] = {}
+        first_backward = None
+        for j, st in enumerate(steps):
+            if type(st) is CommBatch:
+                for a in st.actions:
+                    if a.kind is _SEND_PV or a.kind is _RECV_PV:
+                        where[(a.kind, a.microbatch)] = j
+            elif first_backward is None and st.kind in (_B, _BW, _W):
+                first_backward = j
+        if not where:
+            continue
+        for chain in (0, 1):
+            got, put = where.get((_RECV_PV, chain)), where.get((_SEND_PV, chain))
+            if got is not None and put is not None and got > put:
+                raise _fail(
+                    lowered, f"rank {r} step {put}: passes on post-validation chain {chain} before receiving it", r, put
+                )
+        point = where.get((_RECV_PV, 1) if r < p - 1 else (_RECV_PV, 0))
+        if point is not None and first_backward is not None and point > first_backward:
+            raise _fail(
+                lowered,
+                f"rank {r} step {first_backward} ({steps[first_backward]}): backward work before the rank's "
+                f"post-validation point (step {point}); gradients of the previous step are still pending there",
+                r,
+                first_backward,
+            )
 
 
 def _bad_op(
