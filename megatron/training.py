@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -49,6 +50,7 @@ from megatron.optimizer import DistributedOptimizer, GradStats, LRScheduler, Mai
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.data_parallel import DataParallelReducer
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
+from megatron.pipeline.post_validated_step import PostValidatedStep, SettledStep
 from megatron.pipeline.trainer_hooks import (
     attach_reducer,
     attach_replanner,
@@ -84,6 +86,10 @@ class Trainer:
     losses: list[float] = field(default_factory=list)
     pipeline: Any = None  # megatron.pipeline.GPTPipeline when pp > 1 (then ``model`` is this rank's stages)
     replanner: Any = None  # zb-auto re-planned from profiled costs (megatron.pipeline.trainer_hooks.attach_replanner)
+    # --enable-optimizer-post-validation with pp > 1 (megatron.pipeline.post_validated_step.PostValidatedStep)
+    post_validation: Any = None
+    # Called with (trainer, SettledStep) once a step's outcome is final, in iteration order (tests record state).
+    step_listeners: list[Callable[[Trainer, SettledStep], None]] = field(default_factory=list)
 
     @property
     def consumed_train_samples(self) -> int:
@@ -94,8 +100,8 @@ class Trainer:
 class StepResult:
     loss: float
     learning_rate: float
-    grad_stats: GradStats
-    skipped: bool
+    grad_stats: GradStats | None  # of the step settled in this call (None: none settled, post-validation's 1st)
+    skipped: bool  # a step settled in this call was skipped (post-validation: the previous iteration's step)
     loss_scale: float = 1.0
     nan: bool = False  # counted as a nan iteration (non-finite loss, or inf/NaN gradients without fp16 scaling)
 
@@ -187,8 +193,12 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         model = model.to(device=ctx.device, dtype=run.precision.params_dtype)
     optimizer = build_optimizer(run, ctx, model)
     reducer = optimizer.reducer
+    post_validation = None
     if pipeline is not None:
         attach_reducer(pipeline, reducer)
+        pipeline.loss_scale_fn = lambda: optimizer.loss_scale  # read when each loss is computed
+        if run.pipeline.optimizer_post_validation:
+            post_validation = PostValidatedStep(pipeline, optimizer, ctx)
     scheduler = LRScheduler(run.lr_schedule, train_iters=run.training.train_iters)
     if train_data is None:
         train_data, valid_data = build_datasets(run, ctx)
@@ -203,6 +213,7 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         train_data=train_data,
         valid_data=valid_data,
         pipeline=pipeline,
+        post_validation=post_validation,
     )
 
 
@@ -212,14 +223,19 @@ def build_optimizer(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module
     reducer = DataParallelReducer(model, ctx, reduce_op="reduce_scatter" if sharded else "all_reduce")
     named = [(model.global_name(n), p) for n, p in model.named_parameters()]
     if sharded:
-        # Each element's gradient lives on one data-parallel rank: statistics reduce over dp x mp (every rank).
-        group = dist.group.WORLD if ctx.is_distributed and ctx.world_size > 1 else None
+        # Each element's gradient lives on one data-parallel rank: statistics reduce over tp x dp, then the pipeline.
         optimizer: MainParamOptimizer = DistributedOptimizer(
-            named, run.optimizer, run.precision, reducer=reducer, tp_rank=ctx.tp_rank, stats_group=group
+            named,
+            run.optimizer,
+            run.precision,
+            reducer=reducer,
+            tp_rank=ctx.tp_rank,
+            stage_group=ctx.stage_group,
+            pp_group=ctx.pp_group,
         )
     else:
         optimizer = MainParamOptimizer(
-            named, run.optimizer, run.precision, tp_rank=ctx.tp_rank, stats_group=ctx.mp_group
+            named, run.optimizer, run.precision, tp_rank=ctx.tp_rank, stage_group=ctx.tp_group, pp_group=ctx.pp_group
         )
     optimizer.reducer = reducer
     return optimizer
@@ -278,41 +294,72 @@ def forward_backward(tr: Trainer) -> float:
     return _mean_over_dp(total, m, ctx)
 
 
-def optimizer_step(tr: Trainer) -> tuple[float, GradStats, bool]:
-    """Unscale, check, clip and apply AdamW with the scheduled rate; returns (lr, grad stats, skipped).
+def optimizer_step(tr: Trainer) -> list[SettledStep]:
+    """The optimizer step of the iteration just run (``tr.iteration`` not yet advanced); returns the steps whose
+    outcome became final, already applied to the LR schedule and the counters (``settle``).
 
+    Synchronised: unscale, check, clip and apply AdamW with the scheduled rate -- one settled step.  Post-validated:
+    first settle what the plan validated during this iteration (the previous step: the LR schedule must advance
+    before this step reads its rate), then step from local statistics; the outcome settles later.
     A skipped step (inf/NaN gradients) leaves parameters, optimizer state and LR schedule unchanged.
     """
-    lr = tr.scheduler.current_lr
-    outcome = tr.optimizer.step(lr)
-    if not outcome.skipped:
-        tr.scheduler.step()
-    return lr, outcome.stats, outcome.skipped
+    pv = tr.post_validation
+    if pv is None:
+        lr = tr.scheduler.current_lr
+        outcome = tr.optimizer.step(lr)
+        return settle(tr, [SettledStep(tr.iteration + 1, lr, outcome.stats, outcome.skipped)])
+    settled = settle(tr, pv.take_settled())
+    pv.step(tr.scheduler.current_lr, tr.iteration + 1)
+    return settled
+
+
+def settle(tr: Trainer, steps: list[SettledStep]) -> list[SettledStep]:
+    """Apply final step outcomes: LR schedule (advances only on an applied step, as in Megatron), skip counter,
+    the inf/NaN check, listeners."""
+    overflow_expected = tr.optimizer.scaler.dynamic
+    for st in steps:
+        # fp16 with dynamic scaling expects occasional overflow (the scaler handles it); otherwise it is a fault.
+        if st.skipped and tr.run.precision.check_for_nan_in_loss_and_grad and not overflow_expected:
+            raise RunAbortedError(
+                f"inf/NaN in the gradients at iteration {st.iteration} (--check-for-nan-in-loss-and-grad); "
+                "lower --lr or resume from an earlier checkpoint"
+            )
+        if st.skipped:
+            tr.skipped_iterations += 1
+        else:
+            tr.scheduler.step()
+        for listener in tr.step_listeners:
+            listener(tr, st)
+    return steps
+
+
+def settle_pending_step(tr: Trainer) -> list[SettledStep]:
+    """Post-validation: validate the last step now (before an evaluation, a checkpoint, the end of the run)."""
+    if tr.post_validation is None:
+        return []
+    tr.post_validation.flush()
+    return settle(tr, tr.post_validation.take_settled())
 
 
 def train_step(tr: Trainer) -> StepResult:
-    scale = tr.optimizer.loss_scale
     loss = forward_backward(tr)
+    scale = tr.optimizer.loss_scale  # the scale this iteration's gradients carry (post-validation set it in the plan)
     precision = tr.run.precision
     if precision.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
         raise RunAbortedError(
             f"the loss is {loss} at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
             "lower --lr, raise --clip-grad strictness or resume from an earlier checkpoint"
         )
-    lr, stats, skipped = optimizer_step(tr)
-    # fp16 with dynamic scaling expects occasional overflow (the scaler handles it); otherwise inf/NaN is a fault.
-    overflow_expected = tr.optimizer.scaler.dynamic
-    if skipped and precision.check_for_nan_in_loss_and_grad and not overflow_expected:
-        raise RunAbortedError(
-            f"inf/NaN in the gradients at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
-            "lower --lr or resume from an earlier checkpoint"
-        )
+    lr = tr.scheduler.current_lr
+    settled = optimizer_step(tr)
+    if tr.post_validation is not None:
+        lr = tr.scheduler.current_lr  # the rate this iteration's step was taken with (after the settled ones)
     tr.iteration += 1
     tr.losses.append(loss)
-    if skipped:
-        tr.skipped_iterations += 1
-    nan = not math.isfinite(loss) or (skipped and not overflow_expected)
+    skipped = any(st.skipped for st in settled)
+    nan = not math.isfinite(loss) or (skipped and not tr.optimizer.scaler.dynamic)
     tr.nan_iterations += int(nan)
+    stats = settled[-1].stats if settled else None
     return StepResult(loss=loss, learning_rate=lr, grad_stats=stats, skipped=skipped, loss_scale=scale, nan=nan)
 
 
@@ -406,6 +453,7 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
             "precision": run.precision.name
             + (", distributed optimizer" if run.optimizer.use_distributed_optimizer else ""),
             **pipeline_summary(run, tr.pipeline),
+            **_post_validation_summary(tr),
         },
     )
     ckpt = run.checkpoint
@@ -420,8 +468,21 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
     return summary
 
 
+def _post_validation_summary(tr: Trainer) -> dict[str, str]:
+    if not tr.run.pipeline.optimizer_post_validation:
+        return {}
+    if tr.post_validation is None:
+        return {"optimizer post-validation": "off: one pipeline stage has no cross-stage synchronisation to remove"}
+    return {"optimizer post-validation": "on (steps without waiting for the other stages; exact rollback)"}
+
+
 def _save(tr: Trainer, logger: TrainingLogger) -> None:
+    settle_pending_step(tr)  # a checkpoint holds validated weights only
     save_checkpoint(tr, log=logger.print)
+
+
+def _count_skipped(steps: list[SettledStep]) -> int:
+    return sum(st.skipped for st in steps)
 
 
 def _train_loop(
@@ -443,7 +504,8 @@ def _train_loop(
         window_iters += 1
         window_skipped += int(res.skipped)
         window_nan += int(res.nan)
-        last_grad_norm = res.grad_stats.norm
+        if res.grad_stats is not None:
+            last_grad_norm = res.grad_stats.norm
         it = tr.iteration
         if it % run.logging.log_interval == 0 or it == t.train_iters:
             elapsed = (time.time() - window_start) / window_iters
@@ -464,11 +526,13 @@ def _train_loop(
                     tokens_per_s=tokens_per_iter / elapsed,
                     model_tflops=flops_per_iter / elapsed / 1e12,
                     world_size=ctx.world_size,
+                    post_validation=tr.post_validation.summary() if tr.post_validation is not None else None,
                 )
             )
             window_loss, window_iters, window_start = 0.0, 0, time.time()
             window_skipped = window_nan = 0
         if tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
+            window_skipped += _count_skipped(settle_pending_step(tr))
             loss = evaluate(tr)
             validation.append((it, loss))
             logger.validation(it, loss)
@@ -491,6 +555,7 @@ def _train_loop(
     else:
         if ckpt.save and tr.iteration > 0 and saved_at != tr.iteration:
             _save(tr, logger)
+    settle_pending_step(tr)
     wall = time.time() - run_start
     if tr.valid_data is not None and t.eval_iters > 0 and (not validation or validation[-1][0] != tr.iteration):
         loss = evaluate(tr)

@@ -42,6 +42,7 @@ class IterationStats:
     tokens_per_s: float
     model_tflops: float
     world_size: int
+    post_validation: str | None = None  # "validated steps: N | rollbacks: ..." with --enable-optimizer-post-validation
 
 
 def format_iteration_line(s: IterationStats) -> str:
@@ -65,6 +66,8 @@ def format_iteration_line(s: IterationStats) -> str:
         f" tokens/s: {s.tokens_per_s:.1f} |",
         f" model TFLOP/s: {s.model_tflops:.3f} |",
     ]
+    if s.post_validation is not None:
+        parts.append(f" {s.post_validation} |")
     return "".join(parts)
 
 

@@ -97,7 +97,8 @@ def _poisoned_step(tr):
     tr.optimizer.params[0].main_grad.view(-1)[0] = float("inf")
     before = [p.detach().clone() for p in tr.optimizer.params]
     lr_steps = tr.scheduler.num_steps
-    _, _, skipped = optimizer_step(tr)
+    [settled] = optimizer_step(tr)
+    skipped = settled.skipped
     unchanged = all(torch.equal(a, p) for a, p in zip(before, tr.optimizer.params))
     tr.iteration += 1
     return skipped, unchanged, tr.scheduler.num_steps == lr_steps

@@ -2,8 +2,8 @@
 no wait between a rank's last backward and its optimizer step.
 
 The multi-rank tests run the same pipeline twice in one gloo group: once with the synchronised optimizer (the
-project's ``MainParamOptimizer.step`` for p = 2, where a two-term all-reduce is exactly the ordered sum; the
-ordered ``synchronised_step`` for p = 4), once post-validated.  Per-iteration loss multipliers make clipping
+project's ``MainParamOptimizer.step``, or the library's ``synchronised_step`` over the same protocol), once
+post-validated.  Per-iteration loss multipliers make clipping
 trigger on some iterations (sometimes on one rank's local norm already, sometimes only globally), and gradients
 are forced to inf/NaN on chosen ranks at chosen iterations.
 """
@@ -22,7 +22,6 @@ from runtime_models import BATCH, HIDDEN, MLPStage, mlp_input, mlp_target
 
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.precision import PrecisionConfig
-from megatron.optimizer.grad_norm import clip_coefficient, sum_squares_and_nonfinite
 from megatron.optimizer.main_params import MainParamOptimizer
 from zb_pipeline.optim.post_validation import OUTCOMES, PostValidator, synchronised_step
 from zb_pipeline.runtime.executor import PipelineExecutor
@@ -42,57 +41,11 @@ from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.validate import ScheduleError, validate_lowered
 from zb_pipeline.testing.harness import run_multiprocess
 
+# The optimizer is the trainer's own MainParamOptimizer: it is the PostValidatableOptimizer.
 # Loss multipliers per iteration: large ones push the gradient norm over the clip threshold.
 # Geometric in 12% steps: the norm crosses the clip threshold first globally only (rollback), then locally too.
 FACTORS = [round(1.12**k, 4) for k in range(22)]
 CLIP = 0.5
-
-
-# ------------------------------------------------------------------------------------ the optimizer adapter
-class MainParamAdapter:
-    """``PostValidatableOptimizer`` over ``MainParamOptimizer`` (tp = 1 here; see .notes/postval_integration.md)."""
-
-    def __init__(self, opt: MainParamOptimizer) -> None:
-        self.opt = opt
-
-    def unscale_and_local_stats(self) -> torch.Tensor:
-        scale = self.opt.scaler.scale
-        if scale != 1.0:
-            inv = 1.0 / scale
-            for s in self.opt.shards:
-                s.grad.mul_(inv)
-        return sum_squares_and_nonfinite(s.grad for s in self.opt.shards if s.owned)
-
-    def clip_coefficient(self, norm: float) -> float:
-        return clip_coefficient(norm, self.opt.config.clip_grad)
-
-    def apply_update(self, lr: float, coeff: float) -> None:
-        if coeff < 1.0:
-            for s in self.opt.shards:
-                s.grad.mul_(coeff)
-        self.opt.adam.step(lr)
-        self.opt.publish()
-
-    def update_loss_scale(self, found_nonfinite: bool) -> None:
-        self.opt.scaler.update(found_nonfinite)
-
-    def snapshot(self) -> tuple:
-        adam = self.opt.adam
-        mains = [s.main.detach().clone() for s in self.opt.shards]
-        states = {k: {n: t.clone() for n, t in v.items()} for k, v in adam.state.items()}
-        return adam.step_count, mains, states
-
-    def restore(self, snap: tuple) -> None:
-        step, mains, states = snap
-        for s, m in zip(self.opt.shards, mains):
-            s.main.copy_(m)
-        self.opt.adam.state = {k: {n: t.clone() for n, t in v.items()} for k, v in states.items()}
-        self.opt.adam.step_count = step
-        self.opt.publish()
-
-    def zero_grad(self) -> None:
-        for s in self.opt.shards:
-            s.grad.zero_()
 
 
 # ------------------------------------------------------------------------------------------------ rank body
@@ -124,7 +77,7 @@ def _build(case: PVCase, rank: int, with_pv: bool, tracer: Tracer | None):
     if case.precision == "fp32":
         precision = PrecisionConfig()
     opt = MainParamOptimizer(
-        named, OptimizerConfig(clip_grad=CLIP, weight_decay=0.01), precision, stats_group=dist.group.WORLD
+        named, OptimizerConfig(clip_grad=CLIP, weight_decay=0.01), precision, pp_group=dist.group.WORLD
     )
     return lowered, stages, opt
 
@@ -147,7 +100,6 @@ def _run(rank: int, case: PVCase, with_pv: bool) -> dict:
     torch.manual_seed(7 + rank)  # dropout masks: the same stream in both runs
     tracer = Tracer(rank) if case.trace else None
     lowered, stages, opt = _build(case, rank, with_pv, tracer)
-    adapter = MainParamAdapter(opt)
     it_box = [0]
     m = case.m
 
@@ -173,7 +125,7 @@ def _run(rank: int, case: PVCase, with_pv: bool) -> dict:
     validator = None
     if with_pv:
         validator = PostValidator(
-            adapter, pp_rank=rank, pp_size=case.p, on_validated=lambda v: records.append(_record(opt))
+            opt, pp_rank=rank, pp_size=case.p, on_validated=lambda v: records.append(_record(opt))
         )
         validator.install(ex)
     if tracer is not None:
@@ -191,7 +143,7 @@ def _run(rank: int, case: PVCase, with_pv: bool) -> dict:
             if case.sync == "megatron":
                 opt.step(1e-2)
             else:
-                synchronised_step(adapter, 1e-2, pp_group=dist.group.WORLD)
+                synchronised_step(opt, 1e-2, pp_group=dist.group.WORLD)
             for s in opt.shards:
                 s.grad.zero_()
             records.append(_record(opt))

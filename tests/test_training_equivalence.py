@@ -62,7 +62,8 @@ def train_layout(argv: list[str], world_size: int) -> dict:
     tr = setup(run, ctx)
     losses = [forward_backward(tr)]
     grads = _full_tensors(tr.model, ctx, lambda p: p.main_grad)
-    _, stats, skipped = optimizer_step(tr)
+    [settled] = optimizer_step(tr)
+    stats, skipped = settled.stats, settled.skipped
     tr.iteration += 1
     norms = [stats.norm]
     assert not skipped

@@ -8,7 +8,8 @@ model's dtype) so every rank holds the whole model again.
 
 The update is elementwise, so it equals the plain optimizer's exactly; the grad norm sums the same squares in a
 different order. Gradient statistics count each element once: this rank's shard, tensor-parallel replicas on tp rank
-0 only, reduced over the data-parallel *and* model-parallel ranks (the whole world of this model) in one collective.
+0 only, reduced over this pipeline position's tensor- and data-parallel ranks, then summed over the pipeline in
+pipeline-rank order (``MainParamOptimizer.grad_stats``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class DistributedOptimizer(MainParamOptimizer):
         *,
         reducer: DataParallelReducer,
         tp_rank: int = 0,
-        stats_group: dist.ProcessGroup | None = None,
+        stage_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         if reducer.reduce_op != "reduce_scatter" and reducer.dp_size > 1:
             raise ValueError("the distributed optimizer needs a DataParallelReducer with reduce_op='reduce_scatter'")
@@ -48,7 +50,7 @@ class DistributedOptimizer(MainParamOptimizer):
         if len(dtypes) != 1:
             raise ValueError(f"the distributed optimizer needs one parameter dtype, got {sorted(map(str, dtypes))}")
         self.gather_buffer = torch.zeros(reducer.buffer.numel(), dtype=dtypes.pop(), device=reducer.buffer.device)
-        super().__init__(named, config, precision, tp_rank=tp_rank, stats_group=stats_group)
+        super().__init__(named, config, precision, tp_rank=tp_rank, stage_group=stage_group, pp_group=pp_group)
 
     def _build_shards(self, params: list[tuple[str, torch.nn.Parameter]]) -> list[MainShard]:
         r, dp = self.reducer.dp_rank, self.reducer.dp_size

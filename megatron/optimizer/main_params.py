@@ -1,13 +1,20 @@
 """The optimizer the trainer uses: fp32 main parameters over (possibly half-precision) model parameters.
 
-One optimizer step::
+One optimizer step (``step``)::
 
-    main_grad /= loss_scale                              # fp16 only; exact (the scale is a power of two)
-    stats = reduce_grad_stats([sum g^2, #non-finite])    # THE one synchronisation (post-validation replaces it)
+    main_grad /= loss_scale                                      # fp16 only; exact (the scale is a power of two)
+    local = [sum g^2, #non-finite] over the gradients this rank counts, reduced over its pipeline position's group
+            (tensor-parallel ranks; tensor- and data-parallel ranks with the distributed optimizer)
+    stats = the pipeline ranks' ``local`` summed in pipeline-rank order    # THE synchronisation across stages
     loss_scaler.update(stats.found_nonfinite)
     if stats.found_nonfinite: skip the step
     clip main grads by the global norm; AdamW on the fp32 main parameters
     publish: copy main parameters into the model parameters (cast to bf16/fp16)
+
+The pieces are public and communicate only within a pipeline position, so ``zb_pipeline.optim.post_validation``
+can run the same step without the cross-stage synchronisation (this class is its ``PostValidatableOptimizer``):
+``unscale_and_local_stats``, ``clip_coefficient``, ``apply_update``, ``update_loss_scale``, ``snapshot``/``restore``
+and ``zero_grad``.  Both paths sum the per-stage states in the same order, so they compute the identical norm.
 
 ``MainParamOptimizer`` holds every main parameter on every data-parallel rank; ``DistributedOptimizer``
 (``megatron.optimizer.distributed``) holds only this rank's shard of each gradient bucket and all-gathers the
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +45,7 @@ from megatron.optimizer.grad_norm import (
     sum_squares_and_nonfinite,
 )
 from megatron.optimizer.loss_scaler import LossScaler, build_loss_scaler
+from zb_pipeline.optim.post_validation import gather_in_rank_order, local_state
 
 OPTIMIZER_STATE_KEYS = ("main", "exp_avg", "exp_avg_sq")
 
@@ -77,11 +86,15 @@ class MainParamOptimizer:
         precision: PrecisionConfig,
         *,
         tp_rank: int = 0,
-        stats_group: dist.ProcessGroup | None = None,
+        stage_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.config, self.precision = config, precision
         self.tp_rank = tp_rank
-        self.stats_group = stats_group
+        self.stage_group = stage_group  # reduces the local statistics (tp; tp x dp when sharded)
+        self.pp_group = pp_group  # the pipeline: per-stage statistics are summed over it in pipeline-rank order
+        # The DataParallelReducer owning the main_grad buffer (zero_grad zeroes all of it); set by the trainer.
+        self.reducer: Any = getattr(self, "reducer", None)
         self.scaler: LossScaler = build_loss_scaler(precision)
         params: list[tuple[str, torch.nn.Parameter]] = []
         seen: set[int] = set()
@@ -124,30 +137,79 @@ class MainParamOptimizer:
         return self.adam.step_count
 
     # --------------------------------------------------------------------------------------------- step
-    def grad_stats(self) -> GradStats:
-        """Global norm and inf/NaN of the (unscaled) main gradients: one reduction over ``stats_group``."""
-        local = sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned)
-        return stats_from_total(reduce_grad_stats(local, group=self.stats_group))
-
     @torch.no_grad()
-    def step(self, lr: float) -> StepOutcome:
-        """Unscale, check, clip, update and publish; returns the stats and whether the step was skipped."""
+    def unscale_and_local_stats(self) -> torch.Tensor:
+        """Unscale the main gradients (fp16) and return float64 ``[sum of squares, non-finite count]`` of the ones
+        this rank counts, reduced over its pipeline position (no communication across pipeline stages)."""
         scale = self.scaler.scale
         if scale != 1.0:
             inv = 1.0 / scale
             for s in self.shards:
                 s.grad.mul_(inv)
-        stats = self.grad_stats()
-        self.scaler.update(stats.found_nonfinite)
-        if stats.found_nonfinite:
-            return StepOutcome(stats=stats, skipped=True, loss_scale=scale)
-        coeff = clip_coefficient(stats.norm, self.config.clip_grad)
+        local = sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned)
+        return reduce_grad_stats(local, group=self.stage_group)
+
+    def grad_stats(self, local: torch.Tensor | None = None) -> GradStats:
+        """Global norm and inf/NaN of the (unscaled) main gradients: the stages' local statistics summed in
+        pipeline-rank order (one all-gather over the pipeline; ``local`` defaults to this rank's, not unscaled)."""
+        if local is None:
+            local = reduce_grad_stats(
+                sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned), group=self.stage_group
+            )
+        total = gather_in_rank_order(local_state(local), self.pp_group)
+        return stats_from_total(total[:2])
+
+    def clip_coefficient(self, norm: float) -> float:
+        return clip_coefficient(norm, self.config.clip_grad)
+
+    @torch.no_grad()
+    def apply_update(self, lr: float, coeff: float) -> None:
+        """Scale the gradients by ``coeff`` (if below 1), AdamW, publish."""
         if coeff < 1.0:
             for s in self.shards:
                 s.grad.mul_(coeff)
         self.adam.step(lr)
         self.publish()
+
+    def update_loss_scale(self, found_nonfinite: bool) -> None:
+        self.scaler.update(found_nonfinite)
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepOutcome:
+        """Unscale, check, clip, update and publish; returns the stats and whether the step was skipped."""
+        scale = self.scaler.scale
+        stats = self.grad_stats(self.unscale_and_local_stats())
+        self.scaler.update(stats.found_nonfinite)
+        if stats.found_nonfinite:
+            return StepOutcome(stats=stats, skipped=True, loss_scale=scale)
+        self.apply_update(lr, self.clip_coefficient(stats.norm))
         return StepOutcome(stats=stats, skipped=False, loss_scale=scale)
+
+    # ------------------------------------------------------------------------ post-validation: exact rollback
+    @torch.no_grad()
+    def snapshot(self) -> tuple[int, list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+        """Copies of everything ``apply_update`` changes: step count, main parameters, Adam moments."""
+        states = {k: {n: t.clone() for n, t in v.items()} for k, v in self.adam.state.items()}
+        return self.adam.step_count, [s.main.detach().clone() for s in self.shards], states
+
+    @torch.no_grad()
+    def restore(self, snap: tuple[int, list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]) -> None:
+        """Put a ``snapshot`` back (copies, never an algebraic inversion) and re-publish the model parameters."""
+        step, mains, states = snap
+        for s, main in zip(self.shards, mains):
+            s.main.copy_(main)
+        self.adam.state = states
+        self.adam.step_count = step
+        self.publish()
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        """Zero every main gradient (the reducer's whole buffer when there is one)."""
+        if self.reducer is not None:
+            self.reducer.buffer.zero_()
+        else:
+            for s in self.shards:
+                s.grad.zero_()
 
     @torch.no_grad()
     def publish(self) -> None:

@@ -59,6 +59,8 @@ class ParallelContext:
     # neither or if they are the same rank.
     embedding_group: ProcessGroup | None = None
     embedding_ranks: tuple[int, ...] = ()
+    # Every rank at this pipeline position (tp x dp); None when that is this rank alone.
+    stage_group: ProcessGroup | None = None
     owns_default_group: bool = field(default=False, repr=False)  # initialize() created it; shutdown() destroys it
 
     # ------------------------------------------------------------------------------------------- constructors
@@ -174,6 +176,7 @@ class ParallelContext:
             local_rank=local_rank,
             embedding_group=make(layout.embedding_groups(chunks=chunks, placement=placement)),
             embedding_ranks=layout.embedding_group_of(rank, chunks=chunks, placement=placement) or (),
+            stage_group=make(layout.stage_groups),
             owns_default_group=owns,
         )
         return ctx

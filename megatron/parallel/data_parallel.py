@@ -186,14 +186,19 @@ class DataParallelReducer:
     # ---------------------------------------------------------------------------------------- per iteration
     def zero_grad(self) -> None:
         """Zero the buffer and start a new iteration (waits for any reduction still in flight first)."""
+        self.start_iteration()
+        self.buffer.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def start_iteration(self) -> None:
+        """Reset the per-iteration bucket state but keep the buffer: with optimizer post-validation the previous
+        step's gradients stay until it is validated, which zeroes them (``MainParamOptimizer.zero_grad``)."""
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
             b.work = None
             b.launched = False
-        self.buffer.zero_()
-        for p in self.params:
-            p.grad = None
         self._ready.clear()
         self._pending = [len(b.params) for b in self.buckets]
         self._counts = {}

@@ -152,6 +152,14 @@ class RankLayout:
         )
 
     @cached_property
+    def stage_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Ranks at one pipeline position (tp x dp): the distributed optimizer's gradient statistics reduce here."""
+        return tuple(
+            tuple(self.rank_of(tp_rank=t, dp_rank=d, pp_rank=p) for d in range(self.dp) for t in range(self.tp))
+            for p in range(self.pp)
+        )
+
+    @cached_property
     def mp_groups(self) -> tuple[tuple[int, ...], ...]:
         """Model-parallel groups (tp x pp): together they hold one full model replica (grad-norm, loss sums)."""
         return tuple(

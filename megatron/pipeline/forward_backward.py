@@ -82,8 +82,11 @@ class GPTPipeline:
     model: PipelineModel  # this rank's stages in increasing order (for the reducer, optimizer, checkpoints)
     tracer: Tracer | None = None
     emulator: EmulatedCompute | None = None
-    # Multiplies each microbatch's loss before backward (with the 1/m of the mean): the fp16 loss scale.
+    # Multiplies each microbatch's loss before backward (with the 1/m of the mean): the fp16 loss scale.  With
+    # ``loss_scale_fn`` set it is read when the last stage computes each loss (post-validation updates the scale
+    # inside the plan, before the last rank's first forward).
     loss_scale: float = 1.0
+    loss_scale_fn: Callable[[], float] | None = None
     # Called with a virtual stage once its last W (or BW) of the iteration has run: its weight gradients are final.
     on_stage_grads_final: Callable[[int], None] | None = None
     _batches: Sequence[Mapping[str, torch.Tensor]] = field(default=(), repr=False)
@@ -274,7 +277,9 @@ def build_gpt_pipeline(
         mask = pipe_box[0]._batches[mb]["loss_mask"]
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
         # The pp = 1 loop backpropagates loss * scale / m: the same expression gives the same gradients bit for bit.
-        return loss * pipe_box[0].loss_scale / num_microbatches, loss
+        pipe = pipe_box[0]
+        scale = pipe.loss_scale_fn() if pipe.loss_scale_fn is not None else pipe.loss_scale
+        return loss * scale / num_microbatches, loss
 
     executor = PipelineExecutor(
         lowered,

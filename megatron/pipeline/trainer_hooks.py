@@ -104,8 +104,10 @@ def pipeline_forward_backward(tr: Trainer) -> float:
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
     batches = _batches(tr, tr.train_data, tr.iteration * run.global_batch_size)
     tr.model.train()
-    tr.reducer.zero_grad()
-    pipe.loss_scale = tr.optimizer.loss_scale
+    if tr.post_validation is None:
+        tr.reducer.zero_grad()
+    else:  # the previous step's gradients stay until the plan validates it (which zeroes them)
+        tr.reducer.start_iteration()
     tr.reducer.prepare_microbatch(is_last=False)  # readiness comes from the plan, not from counting
     total = pipe.forward_backward(batches, iteration=tr.iteration)  # sums the tied copies before their buckets go
     tr.reducer.finish()

@@ -259,7 +259,8 @@ def switch_plan(executor: PipelineExecutor, schedule: Schedule) -> LoweredSchedu
     The new plan must keep every rank's stages and the microbatch count (stage modules, P2P boundaries and the
     trainer's data stay as they are); it is validated and lowered here, so a bad plan fails before any transfer.
     """
-    from zb_pipeline.schedule.validate import validate
+    from zb_pipeline.schedule.post_validation_pass import add_post_validation, has_post_validation
+    from zb_pipeline.schedule.validate import validate, validate_lowered
 
     old = executor.lowered.schedule
     if (
@@ -272,6 +273,9 @@ def switch_plan(executor: PipelineExecutor, schedule: Schedule) -> LoweredSchedu
             f"m={old.num_microbatches} and the placement {list(old.stage_to_rank)}"
         )
     lowered = validate(schedule)
+    if has_post_validation(executor.lowered):  # keep the optimizer post-validation chain of the running plan
+        lowered = add_post_validation(lowered)
+        validate_lowered(lowered)
     executor.lowered = lowered
     executor.steps = lowered.ranks[executor.rank]
     return lowered
