@@ -56,6 +56,12 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=3600.0,
     ),
     Benchmark(
+        "post_validation",
+        "tools/bench_post_validation.py",
+        "optimizer post-validation vs the synchronised optimizer: zb-auto, p = 8, m = 24, emulated compute",
+        timeout_s=1800.0,
+    ),
+    Benchmark(
         "gpu_check",
         "tools/gpu_check.py",
         "one stage's F, B, W on CUDA (bf16): time, MFU, split cost",

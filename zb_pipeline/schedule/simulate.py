@@ -19,6 +19,7 @@ Communication actions in ``schedule.ranks`` (if any) are skipped: their time is 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zb_pipeline.schedule.costs import StageCosts
@@ -155,11 +156,16 @@ def _check_plan(schedule: Schedule) -> None:
                 seen[base + slot] = 1
 
 
-def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
-    """Simulate ``schedule`` under ``costs``; raises ``ValueError`` if the plan is malformed or can never finish."""
+def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[float] | None = None) -> SimResult:
+    """Simulate ``schedule`` under ``costs``; raises ``ValueError`` if the plan is malformed or can never finish.
+
+    ``rank_start[r]``: the earliest time rank ``r`` may start its first action (default: every rank at 0).
+    """
     _check_costs(schedule, costs)
     _check_plan(schedule)
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    if rank_start is not None and len(rank_start) != p:
+        raise ValueError(f"rank_start has {len(rank_start)} entries, the plan has {p} ranks")
     comm = costs.comm
     f_cost, b_cost, w_cost = costs.f, costs.b, costs.w
     mem_f, mem_b, mem_w = costs.mem_f, costs.mem_b, costs.mem_w
@@ -170,7 +176,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     waiting: dict[int, list[int]] = {}  # event key -> ranks blocked on it
     blocked_on: list[int] = [-1] * p
     pos = [0] * p
-    clock = [0.0] * p
+    clock = [0.0] * p if rank_start is None else [float(t) for t in rank_start]
     mem_cur = [0.0] * p
     mem_peak = [0.0] * p
     busy = [0.0] * p
