@@ -177,6 +177,47 @@ def test_every_schedule_matches_slow(schedule: str, pp: int, precision: str) -> 
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
     if schedule in ("zb-v", "v-half", "v-min") and pp == 4:
         argv += ["--num-layers", "8"]  # two chunks per rank: 8 virtual stages
+    if schedule == "1f1b":
+        argv.remove("--untie-embeddings-and-output-weights")  # tied: the copies on ranks 0 and p-1 roll back alike
     inject = {3: (pp - 1, "inf"), 8: (0, "nan"), 15: (pp // 2, "inf")}
     results = _check(argv, pp, inject=inject)
     assert sum(_causes(results).values()) == pp * ITERS
+
+
+def _pretrain_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    import io
+
+    import torch
+
+    from megatron.arguments import parse_run_config
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    stream = io.StringIO()
+    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
+    return {
+        "losses": list(summary.losses),
+        "valid": [v for _, v in summary.validation_losses],
+        "log": stream.getvalue(),
+    }
+
+
+def test_pretrain_with_the_flag_matches_and_resumes_bit_exact(tmp_path) -> None:
+    """The whole run (evaluation and checkpoints flush the pending step): the same losses, validation losses and
+    log line counters as the synchronised run; a run resumed from its iteration-4 checkpoint continues bit-exactly."""
+    argv = BASE + CLIP + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4", "--fp16"]
+    argv += ["--initial-loss-scale", "4096", "--train-iters", "8", "--eval-interval", "4", "--eval-iters", "1"]
+    argv += ["--save-interval", "4"]
+    pv_flag = ["--enable-optimizer-post-validation"]
+    sync = run_multiprocess(_pretrain_rank, 2, args=(argv + ["--save", str(tmp_path / "s")],), timeout_s=300)
+    pv = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--save", str(tmp_path / "p")],), timeout_s=300)
+    assert sync[0]["losses"] == pv[0]["losses"] and sync[0]["valid"] == pv[0]["valid"]
+    assert "optimizer post-validation: on" in pv[0]["log"]
+    assert "post-validation: validated steps:" in pv[0]["log"]
+    skipped = [line.split("number of skipped iterations:")[1].split("|")[0] for line in sync[0]["log"].splitlines()
+               if "number of skipped" in line]  # fmt: skip
+    assert skipped, sync[0]["log"]
+    ckpt = str(tmp_path / "r")
+    first = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--save", ckpt, "--exit-interval", "4"],))
+    second = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--load", ckpt, "--save", ckpt],), timeout_s=300)
+    assert first[0]["losses"] + second[0]["losses"] == pv[0]["losses"]

@@ -20,7 +20,9 @@ The reference fork's flags, so its users' scripts run unchanged:
     --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window (stored for the measurement code)
     --enable-exactly-numeric-match            accepted: our runtime is exact by construction (each stage's weight
                                                  gradients accumulate in microbatch order)
-    --enable-optimizer-post-validation        accepted and stored
+    --enable-optimizer-post-validation        the optimizer steps without waiting for the other pipeline stages'
+                                                 gradient statistics and rolls back exactly when they prove it wrong
+                                                 (``megatron.pipeline.post_validated_step``); pp > 1
 
 An explicit ``--pipeline-schedule`` that contradicts a fork flag is an error (one line naming both).  Without any
 flag the schedule is ``zb-h1`` (``interleaved-1f1b`` when --num-layers-per-virtual-pipeline-stage is given): it has
@@ -237,7 +239,10 @@ SCHEDULE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--zero-bubble-pipeline-timers-start-iter", dict(type=int, default=None, help="profiling window start")),
     ("--zero-bubble-pipeline-timers-end-iter", dict(type=int, default=None, help="profiling window end")),
     ("--enable-exactly-numeric-match", dict(action="store_true", help="accepted (always exact here)")),
-    ("--enable-optimizer-post-validation", dict(action="store_true", help="accepted")),
+    (
+        "--enable-optimizer-post-validation",
+        dict(action="store_true", help="step without the cross-stage wait; exact rollback when validation fails"),
+    ),
     ("--pipeline-trace", dict(default=None, help="write a Chrome/Perfetto trace of what every rank executed")),
     ("--emulate-compute", dict(default=None, help="F,B,W[,OPT] ms: sleep instead of computing (real P2P)")),
     ("--pipeline-p2p-check", dict(action="store_true", help="check the strict P2P order at run time (gloo tests)")),

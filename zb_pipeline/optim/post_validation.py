@@ -15,14 +15,18 @@ one reduction over all pipeline ranks at every iteration boundary, a bubble.  Po
    - otherwise step *optimistically* (unclipped), after a snapshot of the main parameters, the optimizer state
      and the step count.
 
-2. **At the start of iteration i + 1** the states travel along the ``SEND_PV``/``RECV_PV`` chain that
+2. **During iteration i + 1** the states travel along the ``SEND_PV``/``RECV_PV`` chain that
    ``zb_pipeline.schedule.post_validation_pass`` puts into the plan: rank ``r`` adds its ``L`` to the partial state
-   ``P(r-1)`` from rank ``r - 1`` in float64 and passes ``P(r)`` on; the last rank's ``P`` is the total ``T``, sent
-   back rank by rank.  On arrival of ``T`` (before the rank's first forward of the new iteration) the rank
-   validates: exactly what the synchronised optimizer would have done is computed from ``T``, and if the
-   optimistic step differs the snapshot is restored (a copy, never an algebraic inversion) and the correct
-   action is taken: skip (and the loss scaler sees the overflow) or clip with the global coefficient and step
-   again.  Then the gradients are zeroed for the new iteration.
+   ``P(r-1)`` from rank ``r - 1`` in float64 and passes ``P(r)`` on (in the prologue); the last rank's ``P`` is the
+   total ``T``, sent back rank by rank, and arrives at each rank's *validation point* -- before its first backward
+   action, after the warm-up forwards that the plan lets it run meanwhile with the optimistic weights.  On arrival
+   of ``T`` the rank validates: exactly what the synchronised optimizer would have done is computed from ``T``,
+   and if the optimistic step differs the snapshot is restored (a copy, never an algebraic inversion) and the
+   correct action is taken: skip (and the loss scaler sees the overflow) or clip with the global coefficient and
+   step again.  Then the gradients are zeroed for the new iteration.  If validation changed the weights of *any*
+   rank (``T`` says so to every rank alike: it counts the ranks that stepped optimistically), the forwards already
+   run are wrong, so every rank requests a replay: the executor drains the prefix's transfers (a consistent cut of
+   the plan), restores the RNG state of the iteration's start and runs the iteration again from its first action.
 
 3. **The synchronised path** (``synchronised_step``) sums the same per-rank states in the same fixed rank order,
    ``((L0 + L1) + L2) + ...`` in float64, so both paths compute the identical norm bit for bit.
@@ -30,8 +34,9 @@ one reduction over all pipeline ranks at every iteration boundary, a bubble.  Po
 The last iteration of a run (or the one before a checkpoint or an evaluation) is validated by ``flush``: the same
 ordered sum through one all-gather.
 
-The optimizer is reached through ``PostValidatableOptimizer`` (a small protocol; ``.notes/postval_integration.md``
-gives the adapter for ``megatron.optimizer.MainParamOptimizer``).  Nothing here imports ``megatron``.
+The optimizer is reached through ``PostValidatableOptimizer`` (a small protocol that the trainer's
+``megatron.optimizer.MainParamOptimizer`` implements; ``megatron.pipeline.post_validated_step`` wires it into the
+training loop).  Nothing here imports ``megatron``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,13 @@ What the built-in handlers do (stage ``s``, microbatch ``mb``, ``S`` stages):
 Gradient accumulation order: every stage's weight gradients are accumulated in the order of its W/BW actions, which
 for all built-in schedules is microbatch order -- so results match a sequential single-process run bit for bit.
 
-At the end of ``run`` the executor asserts that nothing is left: no saved activation, no local hand-off, no deferred
+Replay (optimizer post-validation, ``zb_pipeline.optim.post_validation``): a handler may call ``request_replay``
+before the rank reaches its replay point (right after its last ``SEND_PV``/``RECV_PV`` batch, a consistent cut of
+the plan placed before any backward action).  There the executor completes every transfer posted so far (``drain``),
+drops the iteration's state, restores the RNG state captured when the iteration started and runs the iteration again
+from its first action, without the post-validation ops.  Every rank must request it alike.
+
+At the end of ``run`` the executor runs its ``on_iteration_end`` checks and asserts that nothing is left: no saved activation, no local hand-off, no deferred
 weight-gradient work, no outstanding send or unconsumed receive.  Nothing on the hot path grows with the model
 (a dict lookup and a few attribute accesses per action) and nothing synchronises that the plan does not ask for.
 """
