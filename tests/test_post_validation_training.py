@@ -219,5 +219,6 @@ def test_pretrain_with_the_flag_matches_and_resumes_bit_exact(tmp_path) -> None:
     assert skipped, sync[0]["log"]
     ckpt = str(tmp_path / "r")
     first = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--save", ckpt, "--exit-interval", "4"],))
-    second = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--load", ckpt, "--save", ckpt],), timeout_s=300)
+    resume = argv + pv_flag + ["--load", ckpt, "--save", ckpt]
+    second = run_multiprocess(_pretrain_rank, 2, args=(resume,), timeout_s=300)
     assert first[0]["losses"] + second[0]["losses"] == pv[0]["losses"]

@@ -32,9 +32,10 @@ the plan placed before any backward action).  There the executor completes every
 drops the iteration's state, restores the RNG state captured when the iteration started and runs the iteration again
 from its first action, without the post-validation ops.  Every rank must request it alike.
 
-At the end of ``run`` the executor runs its ``on_iteration_end`` checks and asserts that nothing is left: no saved activation, no local hand-off, no deferred
-weight-gradient work, no outstanding send or unconsumed receive.  Nothing on the hot path grows with the model
-(a dict lookup and a few attribute accesses per action) and nothing synchronises that the plan does not ask for.
+At the end of ``run`` the executor runs its ``on_iteration_end`` checks and asserts that nothing is left: no saved
+activation, no local hand-off, no deferred weight-gradient work, no outstanding send or unconsumed receive.  Nothing on
+the hot path grows with the model (a dict lookup and a few attribute accesses per action) and nothing synchronises
+that the plan does not ask for.
 """
 
 from __future__ import annotations
