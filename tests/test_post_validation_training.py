@@ -222,3 +222,16 @@ def test_pretrain_with_the_flag_matches_and_resumes_bit_exact(tmp_path) -> None:
     resume = argv + pv_flag + ["--load", ckpt, "--save", ckpt]
     second = run_multiprocess(_pretrain_rank, 2, args=(resume,), timeout_s=300)
     assert first[0]["losses"] + second[0]["losses"] == pv[0]["losses"]
+
+
+@pytest.mark.slow
+def test_zb_auto_replanned_mid_run_keeps_the_chain(tmp_path) -> None:
+    """zb-auto switches to a plan regenerated from the profiling window (iterations 2..4); the new plan gets the
+    post-validation chain too, and losses still match the synchronised run (every plan is bit-exact)."""
+    argv = BASE + CLIP + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--bf16"]
+    argv += ["--pipeline-schedule", "zb-auto", "--train-iters", "8", "--zero-bubble-pipeline-timers-start-iter", "2"]
+    argv += ["--zero-bubble-pipeline-timers-end-iter", "4"]
+    sync = run_multiprocess(_pretrain_rank, 2, args=(argv,), timeout_s=300)
+    pv = run_multiprocess(_pretrain_rank, 2, args=(argv + ["--enable-optimizer-post-validation"],), timeout_s=300)
+    assert sync[0]["losses"] == pv[0]["losses"]
+    assert "replanned zb-auto" in pv[0]["log"] and "post-validation: validated steps:" in pv[0]["log"]
