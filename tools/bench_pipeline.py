@@ -66,6 +66,7 @@ except Exception:  # pragma: no cover - depends on the checkout
 
 EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)
 EMU_SPEC = (4, 16)
+IDLE_S = 0.01  # how long a receiver waits idle before each hop when T_comm is measured (about one action)
 # Split-backward schedule whose profile plans each layout (placement, chunks).
 LAYOUT_PROFILER = {("loop", 1): "zb-h1", ("loop", 2): "interleaved-zb", ("v", 2): "zb-v"}
 SPEEDUP_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")
@@ -124,8 +125,13 @@ def _compute_span_ms(tracer: Tracer, iteration: int) -> float:
 def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
     torch.set_num_threads(1)
     specs_shape = EMU_SPEC
-    latency = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
-    out = {"latency_ms": latency, "cases": {}}
+    # T_comm for the simulator: a hop to a receiver that has been waiting idle (as a rank in a bubble does); the
+    # back-to-back round trip (idle_s = 0) is reported beside it.
+    latency = measure_p2p_latency(
+        pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30, idle_s=IDLE_S
+    )
+    hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
+    out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
     for name, m in cases:
         sched = registry.generate(name, world, m)
         specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
@@ -190,7 +196,7 @@ def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float 
 
 def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Callable[[str], None]) -> dict:
     rows = []
-    latencies = {}
+    latencies, hot_latencies = {}, {}
     for p in ps:
         cases = []
         for m in ms:
@@ -205,6 +211,7 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
         res = run_multiprocess(_emulated_rank, p, args=(cases, iterations), timeout_s=1800)
         lat = statistics.median(r["latency_ms"] for r in res)
         latencies[p] = lat
+        hot_latencies[p] = statistics.median(r["hot_latency_ms"] for r in res)
         for name, m in cases:
             key = f"{name}/{m}"
             # skip the first iteration (warm-up); per iteration the slowest rank, then the median over iterations
@@ -249,7 +256,7 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
         if base is not None:
             row["speedup"] = base["measured_span_ms"] / row["measured_span_ms"]
             row["simulated_speedup"] = base["simulated_ms"] / row["simulated_ms"]
-    return {"rows": rows, "latency_ms": latencies, "costs_ms": asdict(EMU_COSTS)}
+    return {"rows": rows, "latency_ms": latencies, "hot_latency_ms": hot_latencies, "costs_ms": asdict(EMU_COSTS)}
 
 
 # ------------------------------------------------------------------------------------ (b, c, d) real compute
@@ -524,11 +531,16 @@ def to_markdown(report: dict[str, Any]) -> str:
     if emu:
         c = emu["costs_ms"]
         lat = ", ".join(f"p={p}: {v:.3f} ms" for p, v in emu["latency_ms"].items())
+        hot = emu.get("hot_latency_ms", {})
+        hot_text = ", ".join(f"p={p}: {v:.3f} ms" for p, v in hot.items())
         lines += [
             "## (a) Emulated compute: runtime vs simulator",
             "",
             f"F = {c['f_ms']:g} ms, B = {c['b_ms']:g} ms, W = {c['w_ms']:g} ms per rank's share, optimizer step "
-            f"{c['opt_ms']:g} ms; T_comm in the simulation = measured gloo one-way latency ({lat}). "
+            f"{c['opt_ms']:g} ms; T_comm in the simulation = measured gloo one-way latency to a receiver that waited "
+            f"idle {IDLE_S * 1e3:g} ms before each message, as a rank in a bubble does ({lat}; back-to-back round "
+            f"trips give {hot_text or 'n/a'}: this VM's idle cores wake slowly). Emulated actions sleep, then spin "
+            "their last 0.3 ms, so they end on time. "
             f"Span: the slowest rank's first compute start to last compute end (trace), median over iterations "
             f"after the first. Targets: span within 3% of the makespan; speed-up within 2 points of the simulated. "
             "In-pipeline T_comm: for every receive that blocked, the end of the wait minus the moment the producing "

@@ -629,12 +629,21 @@ def measure_p2p_latency(
     device: Any = "cpu",
     repeats: int = 20,
     warmup: int = 3,
+    idle_s: float = 0.0,
 ) -> float:
     """One-way latency (ms) of one boundary tensor between neighbouring pipeline ranks: the median over every
     neighbour pair of half a blocking round trip.  Collective over the pipeline ranks (pairs run one after the
-    other, so it cannot deadlock); every rank returns the same number."""
+    other, so it cannot deadlock); every rank returns the same number.
+
+    ``idle_s > 0`` measures what a pipeline hop costs when the receiver has been waiting, idle, as a rank in a
+    bubble does: each side holds the message ``idle_s`` (timed exactly) before sending, so each receive finds its
+    rank blocked that long; ``idle_s`` is subtracted twice from the round trip.  On a machine whose idle cores
+    wake slowly (virtual machines) this is several times the back-to-back figure of ``idle_s = 0``.
+    """
     import torch
     import torch.distributed as dist
+
+    from zb_pipeline.runtime.emulate import sleep_until
 
     buf = torch.zeros(tuple(shape), dtype=dtype or torch.float32, device=device)
     on_cuda = buf.is_cuda
@@ -648,15 +657,19 @@ def measure_p2p_latency(
         for i in range(warmup + repeats):
             t0 = time.perf_counter()
             if pp_rank == pair:
+                if idle_s > 0:
+                    sleep_until(t0 + idle_s)
                 dist.send(buf, peer, group=group)
                 dist.recv(buf, peer, group=group)
             else:
                 dist.recv(buf, peer, group=group)
+                if idle_s > 0:
+                    sleep_until(time.perf_counter() + idle_s)
                 dist.send(buf, peer, group=group)
             if on_cuda:
                 torch.cuda.synchronize(buf.device)
             if i >= warmup and pp_rank == pair:
-                rtts.append(time.perf_counter() - t0)
+                rtts.append(time.perf_counter() - t0 - 2 * idle_s)
         if rtts:
             mine.append(statistics.median(rtts) / 2 * 1e3)
     gathered: list[Any] = [None] * dist.get_world_size(group)
