@@ -256,3 +256,21 @@ def test_example_benchmark_script_runs_under_torchrun(tmp_path) -> None:
     # Measured peaks equal the simulator's prediction from the profiled deltas for the profiled layout's schedules.
     zb_h1 = next(r for r in rows if r["schedule"] == "zb-h1")
     assert zb_h1["peak_bytes"] == zb_h1["predicted_peak_bytes"]
+
+
+def _latency_rank(rank: int, world_size: int) -> tuple[float, float]:
+    from zb_pipeline.runtime.profiler import measure_p2p_latency
+
+    torch.set_num_threads(1)
+    hot = measure_p2p_latency(pp_rank=rank, pp_ranks=[0, 1, 2], repeats=4, warmup=1)
+    idle = measure_p2p_latency(pp_rank=rank, pp_ranks=[0, 1, 2], repeats=4, warmup=1, idle_s=0.002)
+    return hot, idle
+
+
+def test_p2p_latency_is_agreed_by_every_rank_in_both_modes() -> None:
+    """Back-to-back and idle-receiver one-way latency: finite, non-negative (the held time is subtracted, not
+    counted), and the same number on every rank (it is gathered)."""
+    results = run_multiprocess(_latency_rank, 3, timeout_s=120)
+    assert len({r for r in results}) == 1
+    hot, idle = results[0]
+    assert 0.0 <= hot < 1e3 and -0.5 < idle < 1e3  # idle: round trip minus the exactly-timed holds
