@@ -111,6 +111,16 @@ def test_validate_good_and_broken_plans(tmp_path, capsys):
     assert cap.err.count("\n") == 1 and "0BW0" in cap.err
 
 
+def test_validate_with_the_post_validation_chain(tmp_path, capsys):
+    plan = tmp_path / "zbh2.json"
+    plan.write_text(dumps_plan(generate("zb-h2", 4, 8)))
+    assert main(["validate", str(plan), "--post-validation"]) == 0
+    out = capsys.readouterr().out
+    assert "post-validation chain: valid" in out
+    assert "rank 0: validates after 5 forward(s): 0F0 0F1 0F2 0F3 0F4" in out  # the cut, from the lowered plan
+    assert "rank 3: validates in its prologue" in out
+
+
 BAD_INPUT = [
     (["simulate", "1f1b", "-p", "4", "-m", "8", "--cost-f", "0"], "--cost-f"),
     (["simulate", "1f1b", "-p", "4", "-m", "8", "--cost-w", "-1"], "must be > 0"),

@@ -30,7 +30,7 @@ from typing import Any
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
-from zb_pipeline.schedule.lowering import LoweredSchedule
+from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.pictures import ComparisonRow, ansi_timeline, plot_comparison, plot_timeline
 from zb_pipeline.schedule.plan_file import load_plan, save_plan
 from zb_pipeline.schedule.simulate import SimResult, simulate
@@ -367,9 +367,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"({sched.placement}); makespan {result.makespan:g}, bubble rate {result.bubble_rate:.2%}, "
         f"peak memory {_fmt_list(result.peak_memory)}, P2P messages {p2p_messages(lowered)}"
     )
+    if args.post_validation:
+        _report_post_validation(lowered)
     if args.png or args.svg:
         _write_picture(result, args)
     return 0
+
+
+def _report_post_validation(lowered: LoweredSchedule) -> None:
+    """``validate --post-validation``: add the optimizer post-validation chain, validate it, say where it sits."""
+    from zb_pipeline.schedule.post_validation_pass import add_post_validation, validation_cut
+    from zb_pipeline.schedule.validate import validate_lowered
+
+    validate_lowered(add_post_validation(lowered))
+    cut = validation_cut(lowered)
+    p = len(lowered.ranks)
+    print("post-validation chain: valid; the fully reduced state reaches each rank before its first backward action")
+    for r, steps in enumerate(lowered.ranks):
+        forwards = [str(st) for st in steps[: cut[r]] if not isinstance(st, CommBatch) and st.kind is Kind.F]
+        ran = f"{len(forwards)} forward(s): {' '.join(forwards) or 'none'}"
+        if r == p - 1:
+            print(f"  rank {r}: validates in its prologue (it sums the total); passes it back after {ran}")
+        else:
+            print(f"  rank {r}: validates after {ran} (run meanwhile with the optimistic weights)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -411,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shape_args(sp, shape=False)
     sp.add_argument("--png", help="write the simulated timeline as PNG")
     sp.add_argument("--svg", help="write the simulated timeline as SVG")
+    sp.add_argument(
+        "--post-validation",
+        action="store_true",
+        help="also add and check the optimizer post-validation chain (--enable-optimizer-post-validation)",
+    )
     sp.set_defaults(fn=cmd_validate)
     return parser
 
