@@ -235,3 +235,14 @@ def test_zb_auto_replanned_mid_run_keeps_the_chain(tmp_path) -> None:
     pv = run_multiprocess(_pretrain_rank, 2, args=(argv + ["--enable-optimizer-post-validation"],), timeout_s=300)
     assert sync[0]["losses"] == pv[0]["losses"]
     assert "replanned zb-auto" in pv[0]["log"] and "post-validation: validated steps:" in pv[0]["log"]
+
+
+def test_clipping_every_step_validates_in_the_prologue_instead_of_replaying() -> None:
+    """With a clip threshold far below the norm every step is held back and clipped at validation.  After the first
+    such validation the next iterations validate before their first forward, so only the first one replays;
+    results still match the synchronised optimizer bit for bit."""
+    argv = BASE + ["--clip-grad", "0.05", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    results = _check(argv, 2, inject={}, iterations=8)
+    for res in results:
+        assert res["pv"]["counts"]["held_clip"] == 8
+        assert res["pv"]["replays"] == 1

@@ -4,7 +4,10 @@ The library side is ``zb_pipeline.optim.post_validation`` (the protocol, the cha
 ``zb_pipeline.schedule.post_validation_pass`` (where the chain sits in the plan); the executor replays an iteration
 whose warm-up forwards used weights that validation then changed.  This file is the trainer's glue:
 
-- the running plan gets the ``SEND_PV``/``RECV_PV`` chain (and keeps it when zb-auto switches plans);
+- the running plan gets the ``SEND_PV``/``RECV_PV`` chain (and keeps it when zb-auto switches plans), at the
+  consistent cut before each rank's first backward -- or, for an iteration after a validation that changed weights
+  (clipping or skipping tends to persist), in the prologue, so a run that clips every step does not replay its
+  warm-up forwards every iteration;
 - ``step(lr, iteration)`` replaces ``MainParamOptimizer.step`` at the end of an iteration: it takes the step from
   this rank's own statistics (``MainParamOptimizer`` is the ``PostValidatableOptimizer``) and returns at once;
 - the step's outcome (global grad norm, skipped or not) is known once it is validated -- inside the next
@@ -29,7 +32,12 @@ from megatron.optimizer.main_params import MainParamOptimizer
 from megatron.parallel.context import ParallelContext
 from megatron.pipeline.forward_backward import GPTPipeline
 from zb_pipeline.optim.post_validation import PostValidator, Validation
-from zb_pipeline.schedule.post_validation_pass import add_post_validation, has_post_validation
+from zb_pipeline.schedule.lowering import LoweredSchedule
+from zb_pipeline.schedule.post_validation_pass import (
+    add_post_validation,
+    has_post_validation,
+    strip_post_validation,
+)
 from zb_pipeline.schedule.validate import ScheduleError, validate_lowered
 
 
@@ -47,28 +55,53 @@ class PostValidatedStep:
     """One rank's post-validated optimizer step inside the trainer (module docstring)."""
 
     def __init__(self, pipe: GPTPipeline, optimizer: MainParamOptimizer, ctx: ParallelContext) -> None:
-        if not has_post_validation(pipe.lowered):
-            lowered = add_post_validation(pipe.lowered)
-            try:
-                validate_lowered(lowered)
-            except ScheduleError as err:  # pragma: no cover - the pass is validated over every built-in plan
-                raise ConfigError(f"post-validation cannot be added to plan {pipe.schedule.name!r}: {err}") from None
-            pipe.lowered = lowered
-            pipe.executor.lowered = lowered
-            pipe.executor.steps = lowered.ranks[pipe.executor.rank]
         self.ctx = ctx
+        self.pipe = pipe
+        self.executor = pipe.executor
+        self._plans: tuple[LoweredSchedule, dict[str, tuple]] | None = None
+        self.prologue_iterations = 0  # iterations that validated before their first forward (no overlap, no replay)
         self.validator = PostValidator(
             optimizer, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, on_validated=self._on_validated
         )
         self.validator.install(pipe.executor)
-        self.executor = pipe.executor
         self._waiting: deque[tuple[int, float]] = deque()  # (iteration, lr) of steps taken, not yet validated
         self._settled: list[SettledStep] = []
+        self._choose_placement()
+
+    def _variants(self) -> dict[str, tuple]:
+        """This rank's steps with the chain at the cut and in the prologue, for the executor's current plan."""
+        ex = self.executor
+        if self._plans is None or self._plans[0] is not ex.lowered:  # first use, or zb-auto switched plans
+            plain = strip_post_validation(ex.lowered) if has_post_validation(ex.lowered) else ex.lowered
+            variants = {}
+            for at in ("cut", "prologue"):
+                lowered = add_post_validation(plain, at=at)
+                try:
+                    validate_lowered(lowered)
+                except ScheduleError as err:  # pragma: no cover - validated over every built-in plan
+                    name = plain.schedule.name
+                    raise ConfigError(f"post-validation cannot be added to plan {name!r}: {err}") from None
+                variants[at] = lowered
+            ex.lowered = self.pipe.lowered = variants["cut"]
+            self._plans = (variants["cut"], {at: lw.ranks[ex.rank] for at, lw in variants.items()})
+        return self._plans[1]
+
+    def _choose_placement(self) -> None:
+        """Where the next iteration validates: at the cut (overlapping the warm-up forwards), or in the prologue when
+        the last validation changed weights -- clipping or skipping tends to persist over iterations, and replaying
+        the warm-up forwards every iteration would cost more than waiting for the chain.  The last validation is
+        the same on every rank, so every rank picks the same variant."""
+        last = self.validator.last
+        at = "prologue" if last is not None and last.replay else "cut"
+        self.executor.steps = self._variants()[at]
+        self._next_at = at
 
     def step(self, lr: float, iteration: int) -> None:
         """End of ``iteration`` (1-based): take or hold back the step from this rank's statistics alone."""
         self._waiting.append((iteration, lr))
         self.validator.step(lr)
+        self._choose_placement()
+        self.prologue_iterations += self._next_at == "prologue"
 
     def _on_validated(self, v: Validation) -> None:
         iteration, lr = self._waiting.popleft()
@@ -79,6 +112,9 @@ class PostValidatedStep:
         """Validate the pending step now (ordered all-gather over the pipeline): before eval, save, exit."""
         if self.validator.pending is not None:
             self.validator.flush(self.ctx.pp_group)
+            self.prologue_iterations -= self._next_at == "prologue"
+            self._choose_placement()
+            self.prologue_iterations += self._next_at == "prologue"
 
     def take_settled(self) -> list[SettledStep]:
         out, self._settled = self._settled, []
@@ -90,4 +126,7 @@ class PostValidatedStep:
 
     def summary(self) -> str:
         """For the log line: validated steps and rollbacks by cause, and replayed iterations."""
-        return f"post-validation: {self.validator.log_summary()} | replayed iterations: {self.replays}"
+        return (
+            f"post-validation: {self.validator.log_summary()} | replayed iterations: {self.replays} | validated "
+            f"before the first forward: {self.prologue_iterations}"
+        )

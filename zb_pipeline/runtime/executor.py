@@ -174,6 +174,7 @@ class PipelineExecutor:
     def _execute(self, steps: tuple, replay_at: int | None) -> bool:
         """Run ``steps``; True if a replay was requested by the time the replay point was reached."""
         handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.after_post
+        computed = False
         for j, step in enumerate(steps):
             if type(step) is CommBatch:
                 p2p.post(step, self._payload)
@@ -183,8 +184,11 @@ class PipelineExecutor:
                         if hook is not None:
                             hook(self, a)
                 if j + 1 == replay_at and self.replay_requested:
-                    return True
+                    if computed:
+                        return True
+                    self.replay_requested = False  # validated before any compute: nothing to redo
                 continue
+            computed = True
             handler = handlers.get(step.kind)
             if handler is None:
                 raise KeyError(f"rank {self.rank}: no handler for action kind {step.kind.value} ({step})")

@@ -130,22 +130,35 @@ def validation_cut(lowered: LoweredSchedule) -> list[int]:
     return cut
 
 
-def add_post_validation(lowered: LoweredSchedule) -> LoweredSchedule:
-    """``lowered`` with the post-validation chain: the forward links first, the back links at ``validation_cut``.
+PLACEMENTS = ("cut", "prologue")
+
+
+def add_post_validation(lowered: LoweredSchedule, *, at: str = "cut") -> LoweredSchedule:
+    """``lowered`` with the post-validation chain: the forward links first, the back links at ``validation_cut``
+    (``at="cut"``), or every link in the prologue (``at="prologue"``: each rank validates before its first action,
+    so nothing is ever replayed, at the price of the chain's latency before the first forward -- the variant for
+    iterations that will likely change weights at validation).
 
     Raises ``ValueError`` if the plan already has post-validation ops (the pass is not idempotent by design: two
     chains would exchange two states per iteration).
     """
+    if at not in PLACEMENTS:
+        raise ValueError(f"{at=} must be one of {PLACEMENTS}")
     if has_post_validation(lowered):
         raise ValueError(f"plan {lowered.schedule.name!r} already carries SEND_PV/RECV_PV actions; add them once")
     p = lowered.schedule.num_ranks
-    cut = validation_cut(lowered)
+    cut = validation_cut(lowered) if at == "cut" else [0] * p
     ranks = []
     for r, steps in enumerate(lowered.ranks):
         head = tuple(CommBatch((a,)) for a in prologue_ops(r, p))
         point = tuple(CommBatch((a,)) for a in validation_ops(r, p))
         ranks.append(head + tuple(steps[: cut[r]]) + point + tuple(steps[cut[r] :]))
     return LoweredSchedule(lowered.schedule, tuple(ranks))
+
+
+def strip_post_validation(lowered: LoweredSchedule) -> LoweredSchedule:
+    """``lowered`` without its post-validation ops (the plan ``add_post_validation`` started from)."""
+    return LoweredSchedule(lowered.schedule, tuple(without_post_validation(steps) for steps in lowered.ranks))
 
 
 def without_post_validation(steps: tuple) -> tuple:
