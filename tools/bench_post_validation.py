@@ -21,7 +21,7 @@ last stage 1.5x heavier (the LM head), where the ranks finish an iteration at di
 Also measured per rank: the time the step call takes beyond ``--opt-ms`` -- the wait the synchronised optimizer
 adds between a rank's last backward action and its update, which post-validation removes.
 
-Writes ``post_validation.md`` and ``post_validation.json`` under ``--out``.
+Writes ``post_validation.md``, ``post_validation.json`` and ``post_validation.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -227,7 +227,37 @@ def to_markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         for mode, waits in r["step_wait_ms_per_rank"].items():
             lines.append(f"| {r['setting']} | {mode} | {' '.join(f'{w:.1f}' for w in waits)} |")
+    lines += ["", "![post-validation](post_validation.png)"]
     return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: str) -> str:
+    """Bars: measured and simulated period per setting, synchronised vs post-validated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(5.2 * len(rows), 4.2), squeeze=False)
+    for ax, r in zip(axes[0], rows):
+        labels = ["synchronised", "post-validated"]
+        measured = [r["measured_sync_ms"], r["measured_pv_ms"]]
+        simulated = [r["simulated_sync_ms"], r["simulated_pv_ms"]]
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], simulated, width=0.4, color="#9bb7c0", label="simulated")
+        ax.bar([x + 0.2 for x in xs], measured, width=0.4, color="#3465a4", label="measured")
+        ax.set_xticks(list(xs), labels)
+        low = 0.9 * min(measured + simulated)
+        ax.set_ylim(low, 1.02 * max(measured + simulated))
+        ax.set_ylabel("ms per iteration (optimizer step included)")
+        ax.set_title(f"{r['setting']}: x{r['measured_ratio']:.3f} measured, x{r['simulated_ratio']:.3f} simulated")
+        ax.legend(loc="lower right")
+    fig.suptitle(f"{report['schedule']}, p={report['p']}, m={report['m']}, emulated compute + real optimizer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,7 +270,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--opt-ms", type=float, default=20.0)
     ap.add_argument("--schedule", default="zb-auto")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out's post_validation.json")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(os.path.join(args.out, "post_validation.json"), encoding="utf-8") as fh:
+            print("wrote", plot(json.load(fh), os.path.join(args.out, "post_validation.png")))
+        return 0
     if args.quick:
         args.p, args.m, args.runs, args.iterations = 4, 8, 1, 3
     if args.p < 2 or args.m < 1 or args.runs < 1 or args.iterations < 1:
@@ -262,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fh.write(md)
     with open(os.path.join(args.out, "post_validation.json"), "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
+    plot(report, os.path.join(args.out, "post_validation.png"))
     print(md)
     return 0
 
