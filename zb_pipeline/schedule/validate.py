@@ -450,8 +450,8 @@ def _check_lowered(lowered: LoweredSchedule) -> None:
                     msg = f"rank {q} step {j} ({lowered.ranks[q][j]}): no {s - 1}RECV_B{mb}@{r} receives its gradient"
                     raise _fail(lowered, msg, q, j)
 
-    _check_pv_complete(lowered, sent, recvd, pv_base)
-    _check_pv_placement(lowered)
+    if _check_pv_complete(lowered, sent, recvd, pv_base):
+        _check_pv_placement(lowered)
 
     # Order: the k-th send from src to dst is matched with the k-th receive at dst from src.  (Both lists have the
     # same length here: every transfer has exactly one send and one receive.)
@@ -490,13 +490,14 @@ def _check_pv_op(lowered: LoweredSchedule, r: int, j: int, a: Action, seen: list
         raise _fail(lowered, f"rank {r} step {j} ({a}): duplicate post-validation op", r, j)
 
 
-def _check_pv_complete(lowered: LoweredSchedule, sent: list[int], recvd: list[int], pv_base: int) -> None:
-    """Either no post-validation chain at all, or every link of both chains with one send and one receive."""
+def _check_pv_complete(lowered: LoweredSchedule, sent: list[int], recvd: list[int], pv_base: int) -> bool:
+    """Either no post-validation chain at all (False), or every link of both chains with one send and one receive
+    (True)."""
     p = lowered.schedule.num_ranks
     links = [(chain, src) for chain in (0, 1) for src in (range(p - 1) if chain == 0 else range(1, p))]
     present = [sent[pv_base + c * p + s] >= 0 or recvd[pv_base + c * p + s] >= 0 for c, s in links]
     if not any(present):
-        return
+        return False
     for c, src in links:
         dst = src + 1 if c == 0 else src - 1
         tid = pv_base + c * p + src
@@ -504,6 +505,7 @@ def _check_pv_complete(lowered: LoweredSchedule, sent: list[int], recvd: list[in
             raise _fail(lowered, f"rank {src}: no {src}SEND_PV{c}@{dst} (the post-validation chain is incomplete)", src)
         if recvd[tid] < 0:
             raise _fail(lowered, f"rank {dst}: no {dst}RECV_PV{c}@{src} (the post-validation chain is incomplete)", dst)
+    return True
 
 
 def _check_pv_placement(lowered: LoweredSchedule) -> None:
