@@ -425,7 +425,7 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
     """Each schedule in its own launch, alternated with our 1F1B (pairwise).
 
     Why pairwise: with all 16 schedules alternated in one pair of processes, the split-backward schedules ran
-    25-45% slower than the same plans alone (m = 4 on a quiet machine: zb-h2 0.79x of 1F1B in the all-in-one run,
+    22-36% slower than the same plans alone (m = 4 on a quiet machine: zb-h2 0.79x of 1F1B in the all-in-one run,
     1.12x alternated with 1F1B only; iteration times drifted up run by run as more executors, stage copies and
     torch runners shared the processes).  A user runs one schedule per job, so each schedule gets fresh processes
     and its own 1F1B baseline; the ratios of different pairs share the 1F1B reference, not the same runs.
@@ -653,7 +653,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             "tokens/s over the 1F1B runs of the same launch, median with a bootstrap 95% interval; the 1F1B row is "
             "the median over all launches. `torch:*` rows are torch.distributed.pipelining's schedules on the same "
             "blocks, alternated with our 1F1B the same way. (All schedules alternated in one launch slowed the "
-            "split-backward ones by 25-45% -- iteration times drifted up as executors, stage copies and torch "
+            "split-backward ones by 22-36% -- iteration times drifted up as executors, stage copies and torch "
             "runners accumulated in the two processes -- so the pairwise method is used.) "
             "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x.",
             "",

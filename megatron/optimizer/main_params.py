@@ -146,6 +146,9 @@ class MainParamOptimizer:
             inv = 1.0 / scale
             for s in self.shards:
                 s.grad.mul_(inv)
+        return self._local_stats()
+
+    def _local_stats(self) -> torch.Tensor:
         local = sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned)
         return reduce_grad_stats(local, group=self.stage_group)
 
@@ -153,9 +156,7 @@ class MainParamOptimizer:
         """Global norm and inf/NaN of the (unscaled) main gradients: the stages' local statistics summed in
         pipeline-rank order (one all-gather over the pipeline; ``local`` defaults to this rank's, not unscaled)."""
         if local is None:
-            local = reduce_grad_stats(
-                sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned), group=self.stage_group
-            )
+            local = self._local_stats()
         total = gather_in_rank_order(local_state(local), self.pp_group)
         return stats_from_total(total[:2])
 

@@ -64,6 +64,7 @@ class PostValidatedStep:
             optimizer, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, on_validated=self._on_validated
         )
         self.validator.install(pipe.executor)
+        pipe.executor.on_iteration_start.append(self._count_placement)
         self._waiting: deque[tuple[int, float]] = deque()  # (iteration, lr) of steps taken, not yet validated
         self._settled: list[SettledStep] = []
         self._choose_placement()
@@ -101,6 +102,8 @@ class PostValidatedStep:
         self._waiting.append((iteration, lr))
         self.validator.step(lr)
         self._choose_placement()
+
+    def _count_placement(self, executor: object) -> None:
         self.prologue_iterations += self._next_at == "prologue"
 
     def _on_validated(self, v: Validation) -> None:
@@ -112,9 +115,7 @@ class PostValidatedStep:
         """Validate the pending step now (ordered all-gather over the pipeline): before eval, save, exit."""
         if self.validator.pending is not None:
             self.validator.flush(self.ctx.pp_group)
-            self.prologue_iterations -= self._next_at == "prologue"
             self._choose_placement()
-            self.prologue_iterations += self._next_at == "prologue"
 
     def take_settled(self) -> list[SettledStep]:
         out, self._settled = self._settled, []
