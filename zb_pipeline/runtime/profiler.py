@@ -23,18 +23,26 @@ Only the recording half needs torch (imported lazily), so the schedule CLI can r
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
+from zb_pipeline.schedule.ir import Kind, Schedule
+from zb_pipeline.schedule.profile import (  # re-exported: the profile's home is zb_pipeline.schedule.profile
+    PROFILE_VERSION,
+    Profile,
+    costs_for,
+    load_profile,
+    mem_limit_for_microbatches,
+    placement_of,
+    predict_makespan,
+    profile_is_finite,
+)
 from zb_pipeline.schedule.simulate import SimResult, simulate
 
 if TYPE_CHECKING:
@@ -43,147 +51,24 @@ if TYPE_CHECKING:
     from zb_pipeline.runtime.executor import PipelineExecutor
     from zb_pipeline.schedule.lowering import LoweredSchedule
 
-PROFILE_VERSION = 1
-_MIN_COST_MS = 1e-6  # StageCosts needs costs > 0; an action too fast to time still costs something
+__all__ = [
+    "PROFILE_VERSION",
+    "ActionProfiler",
+    "Profile",
+    "Replan",
+    "WindowReplanner",
+    "adaptive_mem_limit",
+    "costs_for",
+    "load_profile",
+    "measure_p2p_latency",
+    "mem_limit_for_microbatches",
+    "placement_of",
+    "predict_makespan",
+    "profile_is_finite",
+    "regenerate",
+    "switch_plan",
+]
 _COMPUTE = (Kind.F, Kind.B, Kind.W, Kind.BW)
-
-
-# ------------------------------------------------------------------------------------------------ the profile
-@dataclass(frozen=True)
-class Profile:
-    """Per-virtual-stage medians of one profiling window (times in ms, memory in bytes).
-
-    ``b``/``w`` are ``None`` for stages that only ran fused ``BW`` (then ``bw`` holds its time); ``mem_b`` and
-    ``mem_w`` follow the cost model (``mem_f + mem_b + mem_w == 0``; ``residual`` is what W left resident, which the
-    model folds into ``mem_w``).
-    """
-
-    num_ranks: int
-    stage_to_rank: tuple[int, ...]
-    f: tuple[float, ...]
-    b: tuple[float | None, ...]
-    w: tuple[float | None, ...]
-    bw: tuple[float | None, ...]
-    comm: float
-    mem_f: tuple[float, ...]
-    mem_b: tuple[float, ...]
-    mem_w: tuple[float, ...]
-    residual: tuple[float, ...] = ()
-    peak_bytes: tuple[float, ...] = ()  # measured per rank (max over the window's iterations)
-    samples: tuple[int, ...] = ()  # F samples per stage
-    schedule: str = ""
-    num_microbatches: int = 0
-    window: tuple[int, int] = (0, 0)
-    memory_source: str = "none"  # "cuda" | "saved-tensors" | "none"
-    device: str = "cpu"
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.f)
-
-    # -- costs ------------------------------------------------------------------------------------------------
-    def _split(self, s: int) -> tuple[float, float]:
-        b, w = self.b[s], self.w[s]
-        if b is None or w is None:
-            raise ValueError(
-                f"profile of {self.schedule!r} has no separate B and W times for stage {s} (it ran fused BW); "
-                "profile a split-backward schedule such as zb-h1"
-            )
-        return b, w
-
-    def to_stage_costs(self, *, chunks: int | None = None, stage_to_rank: Sequence[int] | None = None) -> StageCosts:
-        """``StageCosts`` for a plan with ``chunks`` per rank and placement ``stage_to_rank`` (default: as profiled).
-
-        The same placement keeps every virtual stage's own costs; another one gives each rank its profiled share
-        (the sum over its stages) spread evenly over its new chunks.
-        """
-        target = tuple(self.stage_to_rank if stage_to_rank is None else stage_to_rank)
-        p = self.num_ranks
-        c = chunks if chunks is not None else len(target) // p
-        if len(target) != p * c:
-            raise ValueError(f"stage_to_rank has {len(target)} entries, expected p * chunks = {p} * {c}")
-        bs, ws = zip(*(self._split(s) for s in range(self.num_stages)), strict=True)
-        mf = tuple(float(v) for v in self.mem_f)
-        mb = tuple(float(v) for v in self.mem_b)
-        fs = tuple(max(v, _MIN_COST_MS) for v in self.f)
-        bs = tuple(max(v, _MIN_COST_MS) for v in bs)
-        ws = tuple(max(v, _MIN_COST_MS) for v in ws)
-        if target == tuple(self.stage_to_rank):
-            return StageCosts(
-                f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=tuple(-(x + y) for x, y in zip(mf, mb))
-            )
-
-        def share(values: Sequence[float]) -> list[float]:
-            out = [0.0] * p
-            for s, v in enumerate(values):
-                out[self.stage_to_rank[s]] += v
-            return out
-
-        return StageCosts.build(
-            num_ranks=p,
-            chunks=c,
-            stage_to_rank=target,
-            f=[max(v, _MIN_COST_MS) for v in share(fs)],
-            b=[max(v, _MIN_COST_MS) for v in share(bs)],
-            w=[max(v, _MIN_COST_MS) for v in share(ws)],
-            comm=self.comm,
-            mem_f=share(mf),
-            mem_b=share(mb),
-        )
-
-    def microbatch_bytes(self) -> float:
-        """The most any rank holds for one microbatch (its share's ``max(mem_f, mem_f + mem_b)``)."""
-        per_rank = [0.0] * self.num_ranks
-        for s, r in enumerate(self.stage_to_rank):
-            per_rank[r] += max(0.0, self.mem_f[s], self.mem_f[s] + self.mem_b[s])
-        return max(per_rank)
-
-    # -- files ------------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["version"] = PROFILE_VERSION
-        d["units"] = {"time": "ms", "memory": "bytes"}
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Profile:
-        if not isinstance(d, dict) or "f" not in d or "stage_to_rank" not in d:
-            raise ValueError("not a profile file: expected a JSON object with 'f', 'b', 'w', 'stage_to_rank', ...")
-        if d.get("version", PROFILE_VERSION) != PROFILE_VERSION:
-            raise ValueError(f"profile version {d.get('version')} is not supported (expected {PROFILE_VERSION})")
-        kw: dict[str, Any] = {}
-        for name in cls.__dataclass_fields__:
-            if name not in d:
-                continue
-            v = d[name]
-            kw[name] = tuple(v) if isinstance(v, list) else v
-        try:
-            prof = cls(**kw)
-        except TypeError as err:
-            raise ValueError(f"profile file is missing a field: {err}") from None
-        n = len(prof.stage_to_rank)
-        for name in ("f", "b", "w", "bw", "mem_f", "mem_b", "mem_w"):
-            if len(getattr(prof, name)) != n:
-                raise ValueError(f"profile field {name!r} has {len(getattr(prof, name))} entries, expected {n}")
-        return prof
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> Profile:
-        with open(path, encoding="utf-8") as f:
-            try:
-                d = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"profile {os.fspath(path)!r} is not valid JSON: {err}") from None
-        return cls.from_dict(d)
-
-
-def load_profile(path: str | os.PathLike[str]) -> Profile:
-    return Profile.load(path)
 
 
 # ------------------------------------------------------------------------------------------------- replanning
@@ -205,24 +90,6 @@ class Replan:
             f"{self.result.makespan:.2f} ms, bubble rate {self.result.bubble_rate:.1%}, peak activation memory per "
             f"rank [{mib}] MiB (limit {limit}), T_comm {self.costs.comm:.3f} ms"
         )
-
-
-def placement_of(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
-    return v_placement(num_ranks, chunks) if registry.get(name).placement == "v" else loop_placement(num_ranks, chunks)
-
-
-def costs_for(profile: Profile, name: str, *, chunks: int | None = None) -> tuple[int, StageCosts]:
-    """(chunks, StageCosts) of schedule ``name`` under ``profile``."""
-    spec = registry.get(name)
-    c = spec.default_chunks if chunks is None else chunks
-    return c, profile.to_stage_costs(chunks=c, stage_to_rank=placement_of(name, profile.num_ranks, c))
-
-
-def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
-    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank."""
-    if not n > 0:
-        raise ValueError(f"memory limit of {n} microbatches must be > 0")
-    return float(n) * profile.microbatch_bytes()
 
 
 def regenerate(
@@ -364,6 +231,10 @@ class ActionProfiler:
         self._iteration_open = False
         self._cuda_base = 0
         self._torch = torch
+        # CPU only (on a GPU the host work between actions overlaps the device's): the runtime's gap between actions
+        self.gaps: list[float] = []  # ms from one action's end to the next handler call, profiler's own time out
+        self._prev_end: float | None = None
+        self._own_time = 0.0
         self._install()
 
     # -- wiring -----------------------------------------------------------------------------------------------
@@ -392,6 +263,7 @@ class ActionProfiler:
         self._close_iteration()
         it = ex.iteration
         self.active = it >= self.start_iter and (self.end_iter is None or it < self.end_iter)
+        self._prev_end = None
         if self.active:
             self._live.clear()
             self._peak = 0.0
@@ -428,6 +300,9 @@ class ActionProfiler:
         def handler(ex: Any, a: Any) -> Any:
             if not self.active:
                 return inner(ex, a)
+            called = time.perf_counter()
+            if self._prev_end is not None and not self.cuda:
+                self.gaps.append(max(0.0, called - self._prev_end - self._own_time) * 1e3)
             key = (a.stage, a.microbatch)
             cuda_mem = self.memory == "cuda"
             before = self._torch.cuda.memory_allocated(self.device) if cuda_mem else 0
@@ -448,6 +323,9 @@ class ActionProfiler:
                 )
             elif self.memory == "saved-tensors":
                 self._account(kind, key)
+            if not self.cuda:
+                self._prev_end = end
+                self._own_time = time.perf_counter() - end  # the accounting above is the profiler's, not the runtime's
             return out
 
         return handler
@@ -511,6 +389,7 @@ class ActionProfiler:
             entry["residual"] = _median(self.residual.get(s, [])) or 0.0
             entry["samples"] = len(self.times.get((Kind.F, s), []))
             out["stages"][s] = entry
+        out["gap"] = _median(self.gaps)
         return out
 
     def gather(self, *, group: Any = None, comm_ms: float | None = None, latency_repeats: int = 20) -> Profile:
@@ -556,6 +435,8 @@ class ActionProfiler:
         def col(name: str) -> tuple:
             return tuple(per_stage[s][name] for s in range(S))
 
+        gaps = [summary["gap"] for _, summary in gathered if summary.get("gap") is not None]
+
         mem_f = tuple(float(v or 0.0) for v in col("mem_F"))
         mem_b = []
         for s in range(S):
@@ -580,6 +461,7 @@ class ActionProfiler:
             window=(self.start_iter, -1 if self.end_iter is None else self.end_iter),
             memory_source=self.memory,
             device=self.device,
+            overhead=float(statistics.median(gaps)) if gaps else 0.0,
         )
 
 
@@ -753,9 +635,3 @@ class WindowReplanner:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             limit = None if math.isinf(float(t)) else float(t)
         return Profile.from_dict(box[0]), limit
-
-
-def profile_is_finite(profile: Profile) -> bool:
-    """True when every measured time is a finite number (a sanity check for tools)."""
-    vals = [v for v in (*profile.f, *profile.b, *profile.w) if v is not None]
-    return all(math.isfinite(v) for v in vals)

@@ -1,0 +1,229 @@
+"""A profile: what every F, B and W of a pipeline cost, per virtual stage, as measured in a profiling window.
+
+``zb_pipeline.runtime.profiler.ActionProfiler`` measures it on the running pipeline; this module holds the result
+(pure Python, no torch), so ``zb-schedule --profile prof.json`` and the planners can read it anywhere.
+
+Besides the per-stage medians (what ``simulate`` and the generators read), a CPU profile carries the runtime's
+``overhead``: the median time from the end of one compute action to the start of the next on a rank (posting the
+transfers in between, bookkeeping), which every compute action pays once.  ``predict_makespan`` adds it; files
+without the field (older profiles, GPU profiles, where the host work overlaps the device) read as 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
+from zb_pipeline.schedule.simulate import simulate
+
+PROFILE_VERSION = 1
+_MIN_COST_MS = 1e-6  # StageCosts needs costs > 0; an action too fast to time still costs something
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-virtual-stage medians of one profiling window (times in ms, memory in bytes).
+
+    ``b``/``w`` are ``None`` for stages that only ran fused ``BW`` (then ``bw`` holds its time); ``mem_b`` and
+    ``mem_w`` follow the cost model (``mem_f + mem_b + mem_w == 0``; ``residual`` is what W left resident, which the
+    model folds into ``mem_w``).
+    """
+
+    num_ranks: int
+    stage_to_rank: tuple[int, ...]
+    f: tuple[float, ...]
+    b: tuple[float | None, ...]
+    w: tuple[float | None, ...]
+    bw: tuple[float | None, ...]
+    comm: float
+    mem_f: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    residual: tuple[float, ...] = ()
+    peak_bytes: tuple[float, ...] = ()  # measured per rank (max over the window's iterations)
+    samples: tuple[int, ...] = ()  # F samples per stage
+    schedule: str = ""
+    num_microbatches: int = 0
+    window: tuple[int, int] = (0, 0)
+    memory_source: str = "none"  # "cuda" | "saved-tensors" | "none"
+    device: str = "cpu"
+    overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (median gap; 0 = not measured)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.f)
+
+    # -- costs ------------------------------------------------------------------------------------------------
+    def _split(self, s: int, *, fused: bool = False) -> tuple[float, float]:
+        """(B, W) of stage ``s``; ``fused=True`` lets a stage that only ran ``BW`` count its whole backward as B (W
+        about 0) -- right for simulating a plan that fuses it too, wrong for planning a split one."""
+        b, w = self.b[s], self.w[s]
+        if b is not None and w is not None:
+            return b, w
+        if fused and self.bw[s] is not None:
+            return self.bw[s], _MIN_COST_MS
+        raise ValueError(
+            f"profile of {self.schedule!r} has no separate B and W times for stage {s} (it ran fused BW); "
+            "profile a split-backward schedule such as zb-h1"
+        )
+
+    def to_stage_costs(
+        self,
+        *,
+        chunks: int | None = None,
+        stage_to_rank: Sequence[int] | None = None,
+        fused: bool = False,
+        overhead: bool = False,
+    ) -> StageCosts:
+        """``StageCosts`` for a plan with ``chunks`` per rank and placement ``stage_to_rank`` (default: as profiled).
+
+        The same placement keeps every virtual stage's own costs; another one gives each rank its profiled share
+        (the sum over its stages) spread evenly over its new chunks.  ``fused=True`` accepts stages profiled with
+        fused ``BW`` only (see ``_split``); ``overhead=True`` adds the runtime's per-action overhead to F, B and W
+        (to F and B only with ``fused``, so a fused BW pays it once).
+        """
+        target = tuple(self.stage_to_rank if stage_to_rank is None else stage_to_rank)
+        p = self.num_ranks
+        c = chunks if chunks is not None else len(target) // p
+        if len(target) != p * c:
+            raise ValueError(f"stage_to_rank has {len(target)} entries, expected p * chunks = {p} * {c}")
+        costs = self._stage_costs(target, c, fused)
+        if not (overhead and self.overhead > 0):
+            return costs
+        o = self.overhead  # once per compute action, whatever the placement
+
+        def plus(values: tuple[float, ...]) -> tuple[float, ...]:
+            return tuple(v + o for v in values)
+
+        return replace(costs, f=plus(costs.f), b=plus(costs.b), w=costs.w if fused else plus(costs.w))
+
+    def _stage_costs(self, target: tuple[int, ...], c: int, fused: bool) -> StageCosts:
+        p = self.num_ranks
+        bs, ws = zip(*(self._split(s, fused=fused) for s in range(self.num_stages)), strict=True)
+        f_src = self.f
+        mf = tuple(float(v) for v in self.mem_f)
+        mb = tuple(float(v) for v in self.mem_b)
+        fs = tuple(max(v, _MIN_COST_MS) for v in f_src)
+        bs = tuple(max(v, _MIN_COST_MS) for v in bs)
+        ws = tuple(max(v, _MIN_COST_MS) for v in ws)
+        if target == tuple(self.stage_to_rank):
+            return StageCosts(
+                f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=tuple(-(x + y) for x, y in zip(mf, mb))
+            )
+
+        def share(values: Sequence[float]) -> list[float]:
+            out = [0.0] * p
+            for s, v in enumerate(values):
+                out[self.stage_to_rank[s]] += v
+            return out
+
+        return StageCosts.build(
+            num_ranks=p,
+            chunks=c,
+            stage_to_rank=target,
+            f=[max(v, _MIN_COST_MS) for v in share(fs)],
+            b=[max(v, _MIN_COST_MS) for v in share(bs)],
+            w=[max(v, _MIN_COST_MS) for v in share(ws)],
+            comm=self.comm,
+            mem_f=share(mf),
+            mem_b=share(mb),
+        )
+
+    def microbatch_bytes(self) -> float:
+        """The most any rank holds for one microbatch (its share's ``max(mem_f, mem_f + mem_b)``)."""
+        per_rank = [0.0] * self.num_ranks
+        for s, r in enumerate(self.stage_to_rank):
+            per_rank[r] += max(0.0, self.mem_f[s], self.mem_f[s] + self.mem_b[s])
+        return max(per_rank)
+
+    # -- files ------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["version"] = PROFILE_VERSION
+        d["units"] = {"time": "ms", "memory": "bytes"}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if not isinstance(d, dict) or "f" not in d or "stage_to_rank" not in d:
+            raise ValueError("not a profile file: expected a JSON object with 'f', 'b', 'w', 'stage_to_rank', ...")
+        if d.get("version", PROFILE_VERSION) != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')} is not supported (expected {PROFILE_VERSION})")
+        kw: dict[str, Any] = {}
+        for name in cls.__dataclass_fields__:
+            if name not in d:
+                continue
+            v = d[name]
+            kw[name] = tuple(v) if isinstance(v, list) else v
+        try:
+            prof = cls(**kw)
+        except TypeError as err:
+            raise ValueError(f"profile file is missing a field: {err}") from None
+        n = len(prof.stage_to_rank)
+        for name in ("f", "b", "w", "bw", "mem_f", "mem_b", "mem_w"):
+            if len(getattr(prof, name)) != n:
+                raise ValueError(f"profile field {name!r} has {len(getattr(prof, name))} entries, expected {n}")
+        if not (math.isfinite(prof.overhead) and prof.overhead >= 0):
+            raise ValueError(f"profile overhead {prof.overhead} must be finite and >= 0 (ms per compute action)")
+        return prof
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Profile:
+        with open(path, encoding="utf-8") as f:
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"profile {os.fspath(path)!r} is not valid JSON: {err}") from None
+        return cls.from_dict(d)
+
+
+def load_profile(path: str | os.PathLike[str]) -> Profile:
+    return Profile.load(path)
+
+
+def placement_of(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
+    return v_placement(num_ranks, chunks) if registry.get(name).placement == "v" else loop_placement(num_ranks, chunks)
+
+
+def costs_for(profile: Profile, name: str, *, chunks: int | None = None) -> tuple[int, StageCosts]:
+    """(chunks, StageCosts) of schedule ``name`` under ``profile``."""
+    spec = registry.get(name)
+    c = spec.default_chunks if chunks is None else chunks
+    return c, profile.to_stage_costs(chunks=c, stage_to_rank=placement_of(name, profile.num_ranks, c))
+
+
+def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = True) -> float:
+    """The iteration span ``schedule`` should take under ``profile``'s costs (ms): ``simulate`` under the per-stage
+    medians, plus the runtime's per-action overhead when ``overhead`` (default) and the profile measured it.  A
+    plan that fuses every backward may be predicted from a profile of fused ``BW`` times."""
+    c = schedule.num_stages // schedule.num_ranks
+    fused = not any(a.kind in (Kind.B, Kind.W) for acts in schedule.ranks for a in acts)
+    costs = profile.to_stage_costs(
+        chunks=c, stage_to_rank=tuple(schedule.stage_to_rank), fused=fused, overhead=overhead
+    )
+    return simulate(schedule, costs).makespan
+
+
+def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
+    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank."""
+    if not n > 0:
+        raise ValueError(f"memory limit of {n} microbatches must be > 0")
+    return float(n) * profile.microbatch_bytes()
+
+
+def profile_is_finite(profile: Profile) -> bool:
+    """True when every measured time is a finite number (a sanity check for tools)."""
+    vals = [v for v in (*profile.f, *profile.b, *profile.w) if v is not None]
+    return all(math.isfinite(v) for v in vals)
