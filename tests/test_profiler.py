@@ -23,6 +23,7 @@ from zb_pipeline.runtime.profiler import (
     Profile,
     WindowReplanner,
     mem_limit_for_microbatches,
+    predict_makespan,
     regenerate,
 )
 from zb_pipeline.schedule import cli
@@ -30,7 +31,7 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
 from zb_pipeline.schedule.registry import generate
-from zb_pipeline.schedule.simulate import rank_peak_memory
+from zb_pipeline.schedule.simulate import rank_peak_memory, simulate
 from zb_pipeline.testing import run_multiprocess
 
 P, M, ITERS, WINDOW = 3, 5, 4, (0, 2)
@@ -106,6 +107,8 @@ def test_profile_memory_is_exact_saved_tensor_bytes(switched_run: list[dict]) ->
     # The measured peak of every rank equals the simulator's prediction for the profiled plan under these deltas.
     window_plan = plan_from_dict(switched_run[0]["window_plan"])
     assert prof.peak_bytes == rank_peak_memory(window_plan, prof.to_stage_costs())
+    # The runtime's gap between two compute actions was measured (posting transfers takes some time).
+    assert 0 < prof.overhead < 1e3
 
 
 def test_saved_profile_gives_the_plan_the_run_switched_to(switched_run: list[dict], tmp_path, capsys) -> None:
@@ -185,6 +188,35 @@ def test_profile_without_split_backward_says_what_to_do() -> None:
     prof = _profile(b=(None,) * 4, w=(None,) * 4, bw=(2.0, 3.0, 4.0, 5.0))
     with pytest.raises(ValueError, match="fused BW.*zb-h1"):
         prof.to_stage_costs()
+    # ... but a plan that fuses its backward too can be simulated from it: the whole BW counts as B.
+    fused = prof.to_stage_costs(fused=True)
+    assert fused.f == prof.f and all(fused.bw(s) == pytest.approx(prof.bw[s]) for s in range(4))
+
+
+def test_overhead_is_paid_once_per_compute_action() -> None:
+    o = 0.125
+    prof = _profile(overhead=o)
+    plain, paid = prof.to_stage_costs(), prof.to_stage_costs(overhead=True)
+    assert paid.f == tuple(v + o for v in plain.f) and paid.b == tuple(v + o for v in plain.b)
+    assert paid.w == tuple(v + o for v in plain.w)
+    sched = generate("zb-v", 2, 4)
+    assert tuple(sched.stage_to_rank) == prof.stage_to_rank
+    assert predict_makespan(prof, sched) == simulate(sched, paid).makespan
+    assert predict_makespan(prof, sched, overhead=False) == simulate(sched, plain).makespan
+    # A fused schedule from a fused profile: a BW is one action, it pays the overhead once.
+    fused_prof = _profile(b=(None,) * 4, w=(None,) * 4, bw=(2.0, 3.0, 4.0, 5.0), overhead=o)
+    loop = generate("interleaved-1f1b", 2, 4)
+    costs = fused_prof.to_stage_costs(stage_to_rank=tuple(loop.stage_to_rank), fused=True, overhead=True)
+    # each rank's share (stages 0 + 3 and 1 + 2: 7 ms) over its two chunks, then the overhead once per action
+    assert all(costs.bw(s) == pytest.approx(3.5 + o) for s in range(4))
+    assert predict_makespan(fused_prof, loop) == simulate(loop, costs).makespan
+    # Profiles written before the field existed read as overhead 0; a negative one is refused.
+    d = prof.to_dict()
+    del d["overhead"]
+    assert Profile.from_dict(d).overhead == 0.0
+    d["overhead"] = -1.0
+    with pytest.raises(ValueError, match="overhead -1.0 must be finite and >= 0"):
+        Profile.from_dict(d)
 
 
 def test_profile_file_errors(tmp_path) -> None:

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -373,6 +374,15 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
         steps[name] = step
     if torch_names and tp_bench is not None and device == "cpu":
         steps.update(tp_bench.torch_schedule_steps(rank, world, model, torch_names, m))
+    faults: dict[str, list[int]] = {name: [] for name in steps}
+    for name, inner in list(steps.items()):
+
+        def counted(inner: Callable[[], None] = inner, out: list[int] = faults[name]) -> None:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            inner()
+            out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+        steps[name] = counted
     times = _time_alternated(steps, warmup=1, runs=runs, cuda=device != "cpu")
     spans = {}
     for name, tracer in tracers.items():
@@ -385,6 +395,7 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
         "times": times,
         "spans": spans,
         "own_profiles": own,
+        "page_faults": {name: statistics.median(v[1:]) for name, v in faults.items() if len(v) > 1},
         "peaks": peaks,
         "profiles": {f"{k[0]}/{k[1]}": v.to_dict() for k, v in profiles.items()},
         "plans": {n: plan_to_dict(s) for n, s in plans.items()},
@@ -502,6 +513,7 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
                 "ratio_lo": lo,
                 "ratio_hi": hi,
                 "runs": len(ts),
+                "page_faults": [r.get("page_faults", {}).get(name) for r in res],
             }
             if name in res[0]["plans"]:
                 sched = plan_from_dict(res[0]["plans"][name])
@@ -660,19 +672,20 @@ def to_markdown(report: dict[str, Any]) -> str:
                 "",
                 "| schedule | tokens/s | ratio to 1F1B [95% CI] | measured span ms | predicted ms | pred. error "
                 "| from the launch's first profile ms (error) | peak act. MiB per rank | predicted MiB | mem. error "
-                "| peak / 1F1B "
-                "| peak in microbatches / stated bound |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "| peak / 1F1B | peak in microbatches / stated bound | minor page faults per iteration, per rank |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in block["rows"]:
-                extra = "| - | - | - | - | - | - | - | - | - |"
+                pf = r.get("page_faults") or []
+                faults = ", ".join("-" if v is None else f"{v:.0f}" for v in pf) or "-"
+                extra = f"| - | - | - | - | - | - | - | - | - | {faults} |"
                 if "peak_bytes" in r:
                     extra = (
                         f"| {r['measured_span_ms']:.1f} | {r['predicted_span_ms']:.1f} | {r['prediction_error']:+.1%} "
                         f"| {r['launch_profile_ms']:.1f} ({r['launch_profile_error']:+.1%}) "
                         f"| {', '.join(f'{v / 2**20:.2f}' for v in r['peak_bytes'])} "
                         f"| {', '.join(f'{v / 2**20:.2f}' for v in r['predicted_peak_bytes'])} "
-                        f"| {r['memory_error']:.1%} | {r['peak_vs_1f1b']:.2f} | {_bound_cell(r)} |"
+                        f"| {r['memory_error']:.1%} | {r['peak_vs_1f1b']:.2f} | {_bound_cell(r)} | {faults} |"
                     )
                 lines.append(
                     f"| {r['schedule']} | {r['tokens_per_s']:.0f} | {r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
