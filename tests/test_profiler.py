@@ -248,6 +248,17 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
     assert got.peak_bytes == rank_peak_memory(sched, got.to_stage_costs()) == (4.0 * BATCH * HIDDEN * FLOAT_BYTES,)
     with pytest.raises(ValueError, match="empty"):
         ActionProfiler(ex, start_iter=2, end_iter=2)
+    # Another executor over the same stages and weight-gradient store (as a benchmark runs several plans): a
+    # profiler whose window ended with its executor's last run stays marked active, yet holds none of the other's work.
+    first = PipelineExecutor(lower(sched), 0, {0: MLPStage(0)}, p2p=None, input_fn=mlp_input, loss_fn=_loss_fn)
+    done = ActionProfiler(first, start_iter=0, end_iter=1)
+    first.run(0)
+    other = PipelineExecutor(
+        lower(sched), 0, first.stages, p2p=None, input_fn=mlp_input, loss_fn=_loss_fn, store=first.store
+    )
+    for it in range(3):
+        other.run(it)
+    assert done.active and not any(done._work.values())
     from zb_pipeline.runtime.profiler import switch_plan
 
     with pytest.raises(ValueError, match="must keep p=1, m=3"):

@@ -252,7 +252,9 @@ class ActionProfiler:
         inner_submit = store.submit
 
         def submit(work: Callable[[], None]) -> None:
-            if self.active and self.memory == "saved-tensors" and store.active_key is not None:
+            # Only work from this executor's own profiled actions: the store may be shared with other executors
+            # (a benchmark running several plans over the same stages), which would otherwise be held here forever.
+            if self.active and self._in_action and self.memory == "saved-tensors" and store.active_key is not None:
                 self._work.setdefault(store.active_key, []).append(work)
             inner_submit(work)
 
