@@ -149,3 +149,41 @@ def _is_zombie(pid: int) -> bool:
             return f.read().split(") ")[1].startswith("Z")
     except OSError:
         return True
+
+
+class _ExitedRank:
+    """A rank process that has already exited (what ``_collect`` sees when the parent reads late)."""
+
+    def __init__(self, exitcode: int) -> None:
+        import multiprocessing
+
+        self.exitcode = exitcode
+        self._r, self._w = multiprocessing.Pipe(duplex=False)
+        self._w.close()
+        self.sentinel = self._r  # ready at once, like a dead process's sentinel
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+
+def test_reports_already_in_the_pipes_are_read_after_every_rank_exited():
+    # A busy parent may first look after every rank sent its report, passed the closing barrier and exited: the
+    # reports are still in the pipes and must come back (they were dropped as None once).
+    import multiprocessing
+
+    from zb_pipeline.testing.harness import _collect
+
+    procs, readers = [], []
+    for rank, msgs in enumerate([[("ready",), ("ok", {"big": list(range(2_000))})], [("ready",), ("ok", 1)], []]):
+        r, w = multiprocessing.Pipe(duplex=False)
+        for msg in msgs:
+            w.send(msg)
+        w.close()
+        procs.append(_ExitedRank(0 if msgs else 3))
+        readers.append(r)
+    results, failures = _collect(procs, readers, ["", "", ""], 5.0, 1.0, 5.0)
+    assert results[0] == {"big": list(range(2_000))} and results[1] == 1 and results[2] is None
+    assert list(failures) == [2] and "exited with code 3 before reporting a result" in failures[2]

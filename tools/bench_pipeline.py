@@ -328,10 +328,10 @@ class _Real:
 
 
 def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torch_names: list[str], warmup: int,
-               profile_iters: int, runs: int, device: str = "cpu") -> dict:  # fmt: skip
+               profile_iters: int, runs: int, device: str = "cpu", keep_freed: bool = True) -> dict:  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    if device == "cpu":  # as the trainer does: no page faults from malloc giving activations back to the kernel
+    if device == "cpu" and keep_freed:  # as the trainer does: malloc keeps freed activations (no page faults)
         keep_freed_host_memory()
     real = _Real(rank, world, model, m, device)
     # 1. Profile one split-backward schedule per layout; plan zb-auto from the loop layout's profile.
@@ -440,7 +440,8 @@ def _schedules_for(pp: int, m: int, log: Callable[[str], None]) -> list[str]:
 
 
 def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], log: Callable[[str], None],
-             *, warmup: int = 2, profile_iters: int = 6, pp: int = 2) -> dict:  # fmt: skip
+             *, warmup: int = 2, profile_iters: int = 6, pp: int = 2, schedules: Sequence[str] | None = None,
+             keep_freed: bool = True) -> dict:  # fmt: skip
     """Each schedule in its own launch, alternated with our 1F1B (pairwise).
 
     Why pairwise: with all 16 schedules alternated in one pair of processes, the split-backward schedules ran
@@ -450,10 +451,11 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
     and its own 1F1B baseline; the ratios of different pairs share the 1F1B reference, not the same runs.
     """
     out: dict[str, Any] = {"pp": pp, "model": asdict(model), "runs": runs, "device": "cpu", "by_m": {},
-                           "method": "pairwise: each schedule alternated with 1f1b in its own launch"}  # fmt: skip
+                           "method": "pairwise: each schedule alternated with 1f1b in its own launch",
+                           "host_malloc": "keep" if keep_freed else "default"}  # fmt: skip
     quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
     for m in ms:
-        names = _schedules_for(pp, m, log)
+        names = [n for n in _schedules_for(pp, m, log) if schedules is None or n in schedules or n == "1f1b"]
         others = [n for n in names if n != "1f1b"]
         log(f"(b) real compute pp={pp} m={m}: {len(others)} of ours + {len(torch_names)} of torch's, each alternated "
             f"with 1f1b in its own launch, {runs} runs each")  # fmt: skip
@@ -463,7 +465,10 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         for name in others + [f"torch:{t}" for t in torch_names]:
             ours, theirs = (["1f1b", name], []) if not name.startswith("torch:") else (["1f1b"], [name[6:]])
             res = run_multiprocess(
-                _real_rank, pp, args=(model, m, ours, theirs, warmup, profile_iters, runs), timeout_s=3600
+                _real_rank,
+                pp,
+                args=(model, m, ours, theirs, warmup, profile_iters, runs, "cpu", keep_freed),
+                timeout_s=3600,
             )
             agg = aggregate_real(res, model, m, quiet)
             first = first or agg
@@ -657,9 +662,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             "between barriers as the slowest rank's time, forward + backward without the optimizer step. Ratio = "
             "tokens/s over the 1F1B runs of the same launch, median with a bootstrap 95% interval; the 1F1B row is "
             "the median over all launches. `torch:*` rows are torch.distributed.pipelining's schedules on the same "
-            "blocks, alternated with our 1F1B the same way. (All schedules alternated in one launch slowed the "
-            "split-backward ones by 22-36% -- iteration times drifted up as executors, stage copies and torch "
-            "runners accumulated in the two processes -- so the pairwise method is used.) "
+            "blocks, alternated with our 1F1B the same way. Host memory: "
+            + (
+                "freed blocks kept in the process (`keep_freed_host_memory`, as the trainer does on CPU). "
+                if real.get("host_malloc", "keep") == "keep"
+                else "glibc's default thresholds (`--host-malloc default`). "
+            )
+            + "(Earlier, all schedules alternated in one launch slowed the split-backward ones by 22-36%; a leak "
+            "of the profiler, since fixed, held every W's tensors there. One launch per schedule stays the "
+            "method: a user runs one schedule per job.) "
             "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x.",
             "",
         ]
@@ -799,6 +810,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--runs", type=int, default=None, help="real: alternated runs per schedule (default 10)")
     ap.add_argument("--no-torch", action="store_true", help="real: leave out torch.distributed.pipelining")
+    ap.add_argument("--schedules", nargs="+", default=None, help="real: only these of ours (1f1b always runs)")
+    ap.add_argument(
+        "--host-malloc",
+        choices=("keep", "default"),
+        default="keep",
+        help="real: keep freed host memory in the process (keep_freed_host_memory, as the trainer does) or leave "
+        "glibc's defaults (to measure what they cost: page faults per iteration are reported)",
+    )
     ap.add_argument(
         "--launcher",
         choices=("local", "torchrun"),
@@ -846,7 +865,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if model is None:
             log("(b) real compute skipped: tools/bench_torch_pipelining.py (the shared GPT settings) is not importable")
         else:
-            report["real"] = run_real(model, ms, runs, torch_names, log)
+            report["real"] = run_real(
+                model, ms, runs, torch_names, log, schedules=args.schedules, keep_freed=args.host_malloc == "keep"
+            )
     try:
         report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:

@@ -177,9 +177,35 @@ def _collect(
     deadline = time.monotonic() + startup_timeout_s
     timed_out_reason: str | None = f"did not start within {startup_timeout_s:g} s and was killed"
 
+    def take_report(r: int) -> bool:
+        """Read rank ``r``'s pending messages; True once its report (or its death without one) is recorded."""
+        nonlocal deadline, timed_out_reason
+        msg = _try_recv(readers[r])
+        if msg is not None and msg[0] == "ready":
+            ready[r] = True
+            if all(ready) and not failures:
+                deadline = time.monotonic() + timeout_s
+                timed_out_reason = None
+            msg = _try_recv(readers[r])
+        if msg is None and procs[r].is_alive():
+            return False  # only the ready note, or woke on a sentinel race: the report is still coming
+        reported[r] = True
+        if msg is None:
+            procs[r].join(timeout=1)
+            failures[r] = f"process exited with code {procs[r].exitcode} before reporting a result"
+        elif msg[0] == "ok":
+            results[r] = msg[1]
+        else:
+            failures[r] = msg[1]
+        return True
+
     while True:
         alive = [r for r in range(world_size) if procs[r].is_alive()]
         if not alive:
+            # Every rank has exited: what they sent is still in the pipes (a busy parent may not have read it yet).
+            for r in range(world_size):
+                if not reported[r]:
+                    take_report(r)
             break
         now = time.monotonic()
         if now >= deadline:
@@ -188,25 +214,8 @@ def _collect(
         waitables += [procs[r].sentinel for r in alive]
         woke = set(wait(waitables, timeout=deadline - now))
         for r in range(world_size):
-            if reported[r] or (readers[r] not in woke and procs[r].sentinel not in woke):
-                continue
-            msg = _try_recv(readers[r])
-            if msg is not None and msg[0] == "ready":
-                ready[r] = True
-                if all(ready) and not failures:
-                    deadline = time.monotonic() + timeout_s
-                    timed_out_reason = None
-                msg = _try_recv(readers[r])
-            if msg is None and procs[r].is_alive():
-                continue  # only the ready note, or woke on a sentinel race: the report is still coming
-            reported[r] = True
-            if msg is None:
-                procs[r].join(timeout=1)
-                failures[r] = f"process exited with code {procs[r].exitcode} before reporting a result"
-            elif msg[0] == "ok":
-                results[r] = msg[1]
-            else:
-                failures[r] = msg[1]
+            if not reported[r] and (readers[r] in woke or procs[r].sentinel in woke):
+                take_report(r)
         if failures:
             first = next(iter(failures))
             new_deadline = time.monotonic() + failure_grace_s
