@@ -177,7 +177,7 @@ def test_reports_already_in_the_pipes_are_read_after_every_rank_exited():
     from zb_pipeline.testing.harness import _collect
 
     procs, readers = [], []
-    for rank, msgs in enumerate([[("ready",), ("ok", {"big": list(range(2_000))})], [("ready",), ("ok", 1)], []]):
+    for msgs in [[("ready",), ("ok", {"big": list(range(2_000))})], [("ready",), ("ok", 1)], []]:
         r, w = multiprocessing.Pipe(duplex=False)
         for msg in msgs:
             w.send(msg)
