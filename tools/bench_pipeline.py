@@ -441,21 +441,35 @@ def _schedules_for(pp: int, m: int, log: Callable[[str], None]) -> list[str]:
 
 def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], log: Callable[[str], None],
              *, warmup: int = 2, profile_iters: int = 6, pp: int = 2, schedules: Sequence[str] | None = None,
-             keep_freed: bool = True) -> dict:  # fmt: skip
-    """Each schedule in its own launch, alternated with our 1F1B (pairwise).
+             keep_freed: bool = True, one_launch: bool = False) -> dict:  # fmt: skip
+    """Each schedule in its own launch, alternated with our 1F1B (pairwise); ``one_launch``: all of them
+    alternated in one launch (one pair of processes, one shared 1F1B baseline).
 
-    Why pairwise: with all 16 schedules alternated in one pair of processes, the split-backward schedules ran
-    22-36% slower than the same plans alone (m = 4 on a quiet machine: zb-h2 0.79x of 1F1B in the all-in-one run,
-    1.12x alternated with 1F1B only; iteration times drifted up run by run as more executors, stage copies and
-    torch runners shared the processes).  A user runs one schedule per job, so each schedule gets fresh processes
-    and its own 1F1B baseline; the ratios of different pairs share the 1F1B reference, not the same runs.
+    Why pairwise by default: a user runs one schedule per job, so each schedule gets fresh processes and its own 1F1B
+    baseline; the ratios of different pairs share the 1F1B reference, not the same runs.  (All-in-one runs once
+    slowed the split-backward schedules by 22-36%; that was a profiler leak, since fixed: see ``--one-launch``.)
     """
+    method = (
+        "one launch: every schedule alternated"
+        if one_launch
+        else "pairwise: each schedule alternated with 1f1b in its own launch"
+    )  # noqa: E501
     out: dict[str, Any] = {"pp": pp, "model": asdict(model), "runs": runs, "device": "cpu", "by_m": {},
-                           "method": "pairwise: each schedule alternated with 1f1b in its own launch",
-                           "host_malloc": "keep" if keep_freed else "default"}  # fmt: skip
+                           "method": method, "host_malloc": "keep" if keep_freed else "default"}  # fmt: skip
     quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
     for m in ms:
         names = [n for n in _schedules_for(pp, m, log) if schedules is None or n in schedules or n == "1f1b"]
+        if one_launch:
+            log(f"(b) real compute pp={pp} m={m}: {len(names)} of ours + {len(torch_names)} of torch's alternated in "
+                f"one launch, {runs} runs each")  # fmt: skip
+            res = run_multiprocess(
+                _real_rank,
+                pp,
+                args=(model, m, names, list(torch_names), warmup, profile_iters, runs, "cpu", keep_freed),
+                timeout_s=3600,
+            )
+            out["by_m"][str(m)] = aggregate_real(res, model, m, log)
+            continue
         others = [n for n in names if n != "1f1b"]
         log(f"(b) real compute pp={pp} m={m}: {len(others)} of ours + {len(torch_names)} of torch's, each alternated "
             f"with 1f1b in its own launch, {runs} runs each")  # fmt: skip
@@ -657,21 +671,23 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
             f"GPT with {mdl['num_layers']} layers, hidden {mdl['hidden_size']}, {mdl['num_attention_heads']} heads, "
             f"sequence {mdl['seq_length']}, vocabulary {mdl['vocab_size']}, micro-batch {mdl['micro_batch']}; "
-            f"pp = {real['pp']}, gloo, one thread per rank. Each schedule runs in its own launch (fresh processes), "
-            f"alternated with our 1F1B: {real['runs']} runs of each (rounds rotate the order), an iteration timed "
+            f"pp = {real['pp']}, gloo, one thread per rank. "
+            + (
+                "All schedules alternated in one launch (`--one-launch`), "
+                if real.get("method", "").startswith("one launch")
+                else "Each schedule runs in its own launch (fresh processes), alternated with our 1F1B, "
+            )
+            + f"{real['runs']} runs of each (rounds rotate the order), an iteration timed "
             "between barriers as the slowest rank's time, forward + backward without the optimizer step. Ratio = "
             "tokens/s over the 1F1B runs of the same launch, median with a bootstrap 95% interval; the 1F1B row is "
             "the median over all launches. `torch:*` rows are torch.distributed.pipelining's schedules on the same "
-            "blocks, alternated with our 1F1B the same way. Host memory: "
+            "blocks, timed the same way. Host memory: "
             + (
                 "freed blocks kept in the process (`keep_freed_host_memory`, as the trainer does on CPU). "
                 if real.get("host_malloc", "keep") == "keep"
                 else "glibc's default thresholds (`--host-malloc default`). "
             )
-            + "(Earlier, all schedules alternated in one launch slowed the split-backward ones by 22-36%; a leak "
-            "of the profiler, since fixed, held every W's tensors there. One launch per schedule stays the "
-            "method: a user runs one schedule per job.) "
-            "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x.",
+            + "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x.",
             "",
         ]
         for m, block in real["by_m"].items():
@@ -812,6 +828,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="real: leave out torch.distributed.pipelining")
     ap.add_argument("--schedules", nargs="+", default=None, help="real: only these of ours (1f1b always runs)")
     ap.add_argument(
+        "--one-launch", action="store_true", help="real: alternate all schedules in one launch (default: pairwise)"
+    )
+    ap.add_argument(
         "--host-malloc",
         choices=("keep", "default"),
         default="keep",
@@ -866,7 +885,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("(b) real compute skipped: tools/bench_torch_pipelining.py (the shared GPT settings) is not importable")
         else:
             report["real"] = run_real(
-                model, ms, runs, torch_names, log, schedules=args.schedules, keep_freed=args.host_malloc == "keep"
+                model,
+                ms,
+                runs,
+                torch_names,
+                log,
+                schedules=args.schedules,
+                keep_freed=args.host_malloc == "keep",
+                one_launch=args.one_launch,
             )
     try:
         report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

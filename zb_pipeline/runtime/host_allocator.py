@@ -4,10 +4,10 @@ PyTorch's CPU tensors come from the C library's ``malloc``.  glibc serves a larg
 threshold, which grows on its own up to 32 MiB) with a fresh ``mmap`` and unmaps it on ``free``, and gives the top
 of the heap back to the kernel once more than the trim threshold is free there.  A pipeline frees and re-allocates
 the same activation sizes every microbatch, so memory goes back and comes again: every re-use page-faults fresh
-zeroed pages.  The more activations a schedule holds at once, the more it churns -- measured on the 2-core
-benchmark machine (pp = 2, m = 4, small GPT): 1F1B 4 minor faults per iteration and rank, ZB-H1 about 1,500,
-GPipe up to 2,300, ZB-H2 about 3,000 to 3,400 and 20 ms of system time per 380 ms iteration; with the thresholds
-raised, 4 to 8 faults and 0 to 2 ms for all of them.
+zeroed pages.  The more activations a schedule holds at once, the more it churns -- on the 2-core benchmark
+machine (``tools/bench_pipeline.py --quick --parts real --schedules zb-h2 gpipe --host-malloc default``, pp = 2,
+m = 4) GPipe took 1,110 / 418 minor faults per iteration on its two ranks, ZB-H2 8 / 353, 1F1B 6 / 2; with the
+thresholds raised (the default there) every schedule stays in single or low double digits.
 
 ``keep_freed_host_memory`` raises both thresholds (``mallopt``), so freed blocks stay in the heap for the next
 microbatch.  The price: a process keeps its peak heap size until it exits -- which a training job reaches in its
