@@ -383,7 +383,7 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
             out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
         steps[name] = counted
-    times = _time_alternated(steps, warmup=1, runs=runs, cuda=device != "cpu")
+    times = tp_bench.time_alternated(steps, warmup=1, runs=runs, cuda=device != "cpu")
     spans = {}
     for name, tracer in tracers.items():
         its = sorted({e["args"]["iteration"] for e in tracer.events if "args" in e})
@@ -400,32 +400,6 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
         "profiles": {f"{k[0]}/{k[1]}": v.to_dict() for k, v in profiles.items()},
         "plans": {n: plan_to_dict(s) for n, s in plans.items()},
     }
-
-
-def _time_alternated(
-    steps: dict[str, Callable[[], None]], *, warmup: int, runs: int, cuda: bool = False
-) -> dict[str, list[float]]:
-    """``warmup`` iterations of each, then ``runs`` rounds in a rotating order; each timed between barriers as the
-    slowest rank's time (BENCH's ``time_alternated`` on CPU, the same with a device sync on GPU)."""
-    if tp_bench is not None and not cuda:
-        return tp_bench.time_alternated(steps, warmup=warmup, runs=runs)
-    names = list(steps)
-    for n in names:
-        for _ in range(warmup):
-            steps[n]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(runs):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            dist.barrier()
-            t0 = time.perf_counter()
-            steps[n]()
-            if cuda:
-                torch.cuda.synchronize()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cuda" if cuda else "cpu")
-            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            times[n].append(float(dt))
-    return times
 
 
 def _schedules_for(pp: int, m: int, log: Callable[[str], None]) -> list[str]:

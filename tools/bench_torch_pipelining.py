@@ -290,11 +290,14 @@ def torch_schedule_steps(
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-def time_alternated(steps: dict[str, Callable[[], None]], *, warmup: int, runs: int) -> dict[str, list[float]]:
+def time_alternated(
+    steps: dict[str, Callable[[], None]], *, warmup: int, runs: int, cuda: bool = False
+) -> dict[str, list[float]]:
     """Seconds per iteration of each step function (collective: every rank calls this with the same keys).
 
     ``warmup`` untimed iterations each, then ``runs`` rounds; round ``r`` runs the schedules in an order rotated by
-    ``r``.  Each iteration sits between two barriers and counts as the slowest rank's time.
+    ``r``.  Each iteration sits between two barriers and counts as the slowest rank's time; ``cuda``: the device is
+    synchronised before the clock stops (the reduction then runs on the GPU, as NCCL needs).
     """
     names = list(steps)
     for name in names:
@@ -308,7 +311,9 @@ def time_alternated(steps: dict[str, Callable[[], None]], *, warmup: int, runs: 
             dist.barrier()
             t0 = time.perf_counter()
             steps[name]()
-            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device="cuda" if cuda else "cpu")
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             times[name].append(float(dt))
     return times
