@@ -80,19 +80,9 @@ class Model:
         self.case, self.num_stages = case, num_stages
         self.m = case.m
         if case.model == "gpt":
-            from megatron.model import GPTConfig
+            from model_configs import pipeline_config
 
-            self.cfg = GPTConfig(
-                num_layers=num_stages,
-                hidden_size=16,
-                num_attention_heads=2,
-                vocab_size=61,
-                seq_length=6,
-                make_vocab_size_divisible_by=8,
-                attention_dropout=0.0,
-                hidden_dropout=0.0,
-                untie_embeddings_and_output_weights=True,
-            )
+            self.cfg = pipeline_config(num_stages, tied=False)
             self.specs = [TensorSpec((self.cfg.seq_length, 2, self.cfg.hidden_size))] * (num_stages - 1)
         else:
             self.specs = [TensorSpec((BATCH, HIDDEN))] * (num_stages - 1)

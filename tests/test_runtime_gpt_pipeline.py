@@ -10,6 +10,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 import torch
+from model_configs import pipeline_config
 
 from megatron.config.errors import ConfigError
 from megatron.model import GPTConfig, build_gpt_model
@@ -23,17 +24,7 @@ M, B = 3, 2
 
 
 def _config(tied: bool, num_layers: int = 4) -> GPTConfig:
-    return GPTConfig(
-        num_layers=num_layers,
-        hidden_size=16,
-        num_attention_heads=2,
-        vocab_size=61,
-        seq_length=6,
-        make_vocab_size_divisible_by=8,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        untie_embeddings_and_output_weights=not tied,
-    )
+    return pipeline_config(num_layers, tied=tied)
 
 
 def _batches() -> list[dict[str, torch.Tensor]]:
