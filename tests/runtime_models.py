@@ -17,7 +17,7 @@ from zb_pipeline.runtime.deferrable_linear import DeferrableLinear
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.trace import Tracer
-from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.ir import Action, Kind, Schedule
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule, lower
 from zb_pipeline.schedule.plan_file import load_plan
 from zb_pipeline.schedule.registry import generate
@@ -250,3 +250,22 @@ MUTATIONS = {"needs_buffering": _needs_buffering, "swapped_order": _swapped_orde
 def lowered_for(case: Case) -> LoweredSchedule:
     lowered = lower(case.schedule())
     return MUTATIONS[case.mutate](lowered) if case.mutate else lowered
+
+
+def posted_as_planned(executed: list[str], planned: list[Action]) -> str | None:
+    """None if ``executed`` (a rank's actions from its trace) is ``planned`` up to receives posted ahead: compute
+    actions and sends in the plan's order, every receive once and in the plan's order, each before its consumer
+    (what the executor does on gloo, see ``PipelineP2P.prepost``); else what differs."""
+    recv = (Kind.RECV_F, Kind.RECV_B)
+    if [x for x in executed if "RECV" not in x] != [str(a) for a in planned if a.kind not in recv]:
+        return "compute actions and sends are not in the plan's order"
+    recvs = [a for a in planned if a.kind in recv]
+    if [x for x in executed if "RECV" in x] != [str(a) for a in recvs]:
+        return "receives are not the plan's, in its order"
+    for a in recvs:
+        consumers = {f"{a.stage}F{a.microbatch}"} if a.kind is Kind.RECV_F else {
+            f"{a.stage}B{a.microbatch}", f"{a.stage}BW{a.microbatch}"}  # fmt: skip
+        first_use = min(i for i, x in enumerate(executed) if x in consumers)
+        if executed.index(str(a)) > first_use:
+            return f"{a} was posted after its consumer"
+    return None

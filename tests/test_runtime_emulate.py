@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from runtime_models import posted_as_planned
 
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
 from zb_pipeline.runtime.executor import PipelineExecutor
@@ -74,8 +75,8 @@ def test_emulated_p4_m16_runs_the_plan_and_reports_time(name: str) -> None:
     sched = generate(name, p, m)
     lowered = lower(sched)
     for rank, res in enumerate(results):
-        planned = [str(a) for st in lowered.ranks[rank] for a in (st.actions if isinstance(st, CommBatch) else (st,))]
-        assert res["executed"] == planned
+        planned = [a for st in lowered.ranks[rank] for a in (st.actions if isinstance(st, CommBatch) else (st,))]
+        assert posted_as_planned(res["executed"], planned) is None, posted_as_planned(res["executed"], planned)
     c = EmulatedCosts.parse(COSTS)
     sim = simulate(sched, StageCosts.build(num_ranks=p, f=c.f_ms, b=c.b_ms, w=c.w_ms))
     span = max(r["span_ms"] for r in results)

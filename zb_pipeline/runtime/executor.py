@@ -137,6 +137,7 @@ class PipelineExecutor:
         self.replay_requested = False
         self.replays = 0  # iterations replayed (post-validation changed the weights their first forwards used)
         self._replay_cache: tuple[Any, int | None] = (None, None)
+        self._prepost_cache: tuple[Any, tuple[tuple[Action, ...], ...]] = (None, ())
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, iteration: int | None = None) -> list[torch.Tensor]:
@@ -174,10 +175,14 @@ class PipelineExecutor:
     def _execute(self, steps: tuple, replay_at: int | None) -> bool:
         """Run ``steps``; True if a replay was requested by the time the replay point was reached."""
         handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.after_post
+        ahead = self._prepost_plan(steps) if p2p is not None and p2p.can_prepost else None
+        first_ahead = 0 if replay_at is None else replay_at  # never post ahead across the replay point's cut
         computed = False
         for j, step in enumerate(steps):
             if type(step) is CommBatch:
                 p2p.post(step, self._payload)
+                if ahead is not None and j >= first_ahead and ahead[j]:
+                    p2p.prepost(ahead[j])
                 if after_post:
                     for a in step.actions:
                         hook = after_post.get(a.kind)
@@ -199,6 +204,29 @@ class PipelineExecutor:
                 handler(self, step)
                 tracer.compute(step, t0, time.perf_counter())
         return False
+
+    def _prepost_plan(self, steps: tuple) -> tuple[tuple[Action, ...], ...]:
+        """For each step index ``j`` holding a batch: the receives to post right after it, ahead of their own
+        batches -- every receive up to the compute action after next, so each one is posted one compute action
+        earlier than the plan's batches would post it, and the per-peer order of receives stays the plan's."""
+        if self._prepost_cache[0] is steps:
+            return self._prepost_cache[1]
+        out: list[tuple[Action, ...]] = []
+        for j, step in enumerate(steps):
+            picked: list[Action] = []
+            if type(step) is CommBatch:
+                computes = 0
+                for later in steps[j + 1 :]:
+                    if type(later) is not CommBatch:
+                        computes += 1
+                        if computes == 2:
+                            break
+                        continue
+                    picked += [a for a in later.actions if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B]
+            out.append(tuple(picked))
+        plan = tuple(out)
+        self._prepost_cache = (steps, plan)
+        return plan
 
     # -- replay (optimizer post-validation) -------------------------------------------------------------------
     def _replay_point(self) -> int | None:

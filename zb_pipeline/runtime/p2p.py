@@ -136,6 +136,7 @@ class PipelineP2P:
         self._sends: list[tuple[object, torch.Tensor, Action]] = []
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
         self._expected: dict[tuple[int, bool], deque[Action]] | None = None
+        self._preposted: set[Action] = set()  # receives posted ahead of their batch (``prepost``)
 
     # -- plan order (checking mode) -------------------------------------------------------------------------
     def expect(self, steps: Sequence[LoweredStep]) -> None:
@@ -184,8 +185,51 @@ class PipelineP2P:
                 f"rank {self.pp_rank}: posting {batch} to rank(s) {peers} failed: {_first_line(err)}"
             ) from err
 
+    @property
+    def can_prepost(self) -> bool:
+        """Whether receives may be posted ahead of their batch: gloo (each op matched on its own, in order per peer)
+        without the checking mode.  NCCL matches grouped ops as a unit, so its batches stay as planned."""
+        return not self._batched and not self.check
+
+    def prepost(self, actions: Sequence[Action]) -> None:
+        """Post the receives ``actions`` now, ahead of the batches that hold them (which then skip them).
+
+        gloo moves a message only once its receive is posted (the sender waits for the receiver's ready
+        notice), so a receive posted just before its consumer runs pays that extra round trip after the data
+        was ready.  Posted one action ahead, the transfer overlaps the compute.  The caller keeps the plan's order
+        of receives per peer (every receive of the earlier batches is already posted) and never crosses a point
+        where ``drain`` may run.
+        """
+        if not self.can_prepost:
+            raise RuntimeError("prepost needs gloo without the checking mode (see can_prepost)")
+        posted = []
+        for a in actions:
+            if a.kind is not _RECV_F and a.kind is not _RECV_B:
+                raise ValueError(f"prepost: {a} is not a forward or backward receive")
+            if a in self._preposted:
+                continue
+            posted.append(a)
+            spec = self.spec_of(a)
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            try:
+                work = dist.irecv(buf, self.pp_ranks[a.peer], group=self.group, tag=_DATA_TAG)
+            except RuntimeError as err:
+                raise PipelineCommError(
+                    f"rank {self.pp_rank}: posting {a} ahead from rank {a.peer} failed: {_first_line(err)}"
+                ) from err
+            self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
+            self._preposted.add(a)
+        if self.tracer is not None and posted:
+            self.tracer.comm_posted(CommBatch(tuple(posted)))
+
     def _post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         self._reap_sends()
+        if self._preposted:
+            rest = tuple(a for a in batch.actions if a not in self._preposted)
+            self._preposted.difference_update(batch.actions)
+            if not rest:
+                return
+            batch = CommBatch(rest)
         ops: list[tuple[bool, torch.Tensor, int, Action]] = []
         new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []
         check = self.check
@@ -335,6 +379,7 @@ class PipelineP2P:
                     f"{_first_line(err)}"
                 ) from err
         self._sends, self._acks = [], []
+        self._preposted.clear()
         if self._recvs:
             left = ", ".join(str(e[2]) for e in self._recvs.values())
             raise PipelineCommError(f"rank {self.pp_rank}: receives posted but never consumed: {left}")
@@ -359,6 +404,7 @@ class PipelineP2P:
                 )
         self._sends, self._acks = [], []
         self._recvs.clear()
+        self._preposted.clear()
         self._expected = None
 
     def pending(self) -> list[Action]:
@@ -370,6 +416,7 @@ class PipelineP2P:
         self._recvs.clear()
         self._sends.clear()
         self._acks.clear()
+        self._preposted.clear()
 
 
 def _first_line(err: BaseException) -> str:
