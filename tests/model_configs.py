@@ -20,18 +20,14 @@ def tiny_config(**overrides) -> GPTConfig:
     return GPTConfig(**{**TINY, **overrides})
 
 
-# The pipeline runtime tests' GPT: one layer per virtual stage, as small as a stage can be.
-PIPELINE = dict(
-    hidden_size=16,
-    num_attention_heads=2,
-    vocab_size=61,
-    seq_length=6,
-    make_vocab_size_divisible_by=8,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
-
-
 def pipeline_config(num_layers: int, *, tied: bool) -> GPTConfig:
-    """``PIPELINE`` with ``num_layers`` layers, embeddings tied to the output layer or not."""
-    return GPTConfig(num_layers=num_layers, untie_embeddings_and_output_weights=not tied, **PIPELINE)
+    """The pipeline runtime tests' GPT: ``TINY`` at its smallest per stage (one layer per virtual stage, 2 heads),
+    embeddings tied to the output layer or not."""
+    return tiny_config(
+        num_layers=num_layers,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=61,
+        seq_length=6,
+        untie_embeddings_and_output_weights=not tied,
+    )

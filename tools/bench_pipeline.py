@@ -47,7 +47,7 @@ for path in (REPO, os.path.join(REPO, "tools")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-from bench_pipeline_report import IDLE_S, plot, to_markdown  # noqa: E402
+from bench_pipeline_report import plot, to_markdown  # noqa: E402
 
 from megatron.model import build_gpt_stages  # noqa: E402
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
@@ -79,6 +79,7 @@ except Exception:  # pragma: no cover - depends on the checkout
 
 EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)
 EMU_SPEC = (4, 16)
+IDLE_S = 0.01  # how long a receiver waits idle before each hop when T_comm is measured (about one action)
 # Split-backward schedule whose profile plans each layout (placement, chunks).
 LAYOUT_PROFILER = {("loop", 1): "zb-h1", ("loop", 2): "interleaved-zb", ("v", 2): "zb-v"}
 
@@ -267,7 +268,13 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
         if base is not None:
             row["speedup"] = base["measured_span_ms"] / row["measured_span_ms"]
             row["simulated_speedup"] = base["simulated_ms"] / row["simulated_ms"]
-    return {"rows": rows, "latency_ms": latencies, "hot_latency_ms": hot_latencies, "costs_ms": asdict(EMU_COSTS)}
+    return {
+        "rows": rows,
+        "latency_ms": latencies,
+        "hot_latency_ms": hot_latencies,
+        "idle_s": IDLE_S,
+        "costs_ms": asdict(EMU_COSTS),
+    }
 
 
 # ------------------------------------------------------------------------------------ (b, c, d) real compute
@@ -427,7 +434,7 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         "one launch: every schedule alternated"
         if one_launch
         else "pairwise: each schedule alternated with 1f1b in its own launch"
-    )  # noqa: E501
+    )
     out: dict[str, Any] = {"pp": pp, "model": asdict(model), "runs": runs, "device": "cpu", "by_m": {},
                            "method": method, "host_malloc": "keep" if keep_freed else "default"}  # fmt: skip
     quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
@@ -525,7 +532,6 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
                     measured_span_ms=span,
                     predicted_span_ms=predicted,
                     prediction_error=predicted / span - 1,
-                    runtime_overhead_ms=own.overhead,
                     own_profile=res[0]["own_profiles"][name],
                     launch_profile_ms=planned,
                     launch_profile_error=planned / span - 1,

@@ -11,7 +11,6 @@ import numpy as np
 
 from zb_pipeline.runtime.profiler import Profile
 
-IDLE_S = 0.01  # how long a receiver waits idle before each hop when T_comm is measured (about one action)
 SPEEDUP_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")  # whose speed-up over 1F1B the emulated target checks
 
 
@@ -52,9 +51,9 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
             f"F = {c['f_ms']:g} ms, B = {c['b_ms']:g} ms, W = {c['w_ms']:g} ms per rank's share, optimizer step "
             f"{c['opt_ms']:g} ms; T_comm in the simulation = measured gloo one-way latency to a receiver that waited "
-            f"idle {IDLE_S * 1e3:g} ms before each message, as a rank in a bubble does ({lat}; back-to-back round "
-            f"trips give {hot_text or 'n/a'}: this VM's idle cores wake slowly). Emulated actions sleep, then spin "
-            "their last 0.3 ms, so they end on time. "
+            f"idle {emu['idle_s'] * 1e3:g} ms before each message, as a rank in a bubble does ({lat}; back-to-back "
+            f"round trips give {hot_text or 'n/a'}: this VM's idle cores wake slowly). Emulated actions sleep, then "
+            "spin their last 0.3 ms, so they end on time. "
             f"Span: the slowest rank's first compute start to last compute end (trace), median over iterations "
             f"after the first. Targets: span within 3% of the makespan; speed-up within 2 points of the simulated. "
             "In-pipeline T_comm: for every receive that blocked, the end of the wait minus the moment the producing "

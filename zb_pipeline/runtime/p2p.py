@@ -202,25 +202,13 @@ class PipelineP2P:
         """
         if not self.can_prepost:
             raise RuntimeError("prepost needs gloo without the checking mode (see can_prepost)")
-        posted = []
         for a in actions:
             if a.kind is not _RECV_F and a.kind is not _RECV_B:
                 raise ValueError(f"prepost: {a} is not a forward or backward receive")
-            if a in self._preposted:
-                continue
-            posted.append(a)
-            spec = self.spec_of(a)
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            try:
-                work = dist.irecv(buf, self.pp_ranks[a.peer], group=self.group, tag=_DATA_TAG)
-            except RuntimeError as err:
-                raise PipelineCommError(
-                    f"rank {self.pp_rank}: posting {a} ahead from rank {a.peer} failed: {_first_line(err)}"
-                ) from err
-            self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
-            self._preposted.add(a)
-        if self.tracer is not None and posted:
-            self.tracer.comm_posted(CommBatch(tuple(posted)))
+        new = tuple(a for a in actions if a not in self._preposted)
+        if new:
+            self.post(CommBatch(new), _no_payload)
+            self._preposted.update(new)
 
     def _post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         self._reap_sends()
@@ -417,6 +405,10 @@ class PipelineP2P:
         self._sends.clear()
         self._acks.clear()
         self._preposted.clear()
+
+
+def _no_payload(a: Action) -> torch.Tensor:
+    raise AssertionError(f"{a}: a batch of receives has nothing to send")
 
 
 def _first_line(err: BaseException) -> str:

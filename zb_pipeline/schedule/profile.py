@@ -107,10 +107,9 @@ class Profile:
     def _stage_costs(self, target: tuple[int, ...], c: int, fused: bool) -> StageCosts:
         p = self.num_ranks
         bs, ws = zip(*(self._split(s, fused=fused) for s in range(self.num_stages)), strict=True)
-        f_src = self.f
         mf = tuple(float(v) for v in self.mem_f)
         mb = tuple(float(v) for v in self.mem_b)
-        fs = tuple(max(v, _MIN_COST_MS) for v in f_src)
+        fs = tuple(max(v, _MIN_COST_MS) for v in self.f)
         bs = tuple(max(v, _MIN_COST_MS) for v in bs)
         ws = tuple(max(v, _MIN_COST_MS) for v in ws)
         if target == tuple(self.stage_to_rank):
