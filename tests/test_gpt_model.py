@@ -139,7 +139,8 @@ def test_deferred_backward_through_whole_model_matches() -> None:
     loss = model(tokens, labels).mean()
     with store.defer(0, 0):
         loss.backward()
-    assert model.embedding.word_embeddings.weight.grad is None  # the embedding's whole backward is W
+    # B already accumulated the lookup's table gradient (see test_embedding_gradient_runs_in_b); the head's is W.
+    assert model.embedding.word_embeddings.weight.grad is not None and store.pending()
     store.run(0, 0)
     for n, p in model.named_parameters():
         if n == "embedding.word_embeddings.weight":  # tied: the head's and the lookup's parts add in another order
@@ -167,3 +168,51 @@ def test_tensor_parallel_size_must_divide_heads() -> None:
     with pytest.raises(ConfigError, match="tensor-model-parallel-size"):
         build_gpt_model(tiny(), tp=TPContext(4, 0))  # 2 query groups over 4 ranks
     assert tiny().padded_vocab_size(1) == 104 and tiny().padded_vocab_size(2) == 112
+
+
+def _held_bytes(work: list, params) -> int:
+    """Bytes of the distinct non-parameter storages the deferred W closures hold."""
+    from zb_pipeline.runtime.profiler import _storage_key, _tensors_in
+
+    found: list = []
+    for fn in work:
+        _tensors_in(fn, found)
+    skip = {_storage_key(p)[0] for p in params}
+    return sum(n for ptr, n in dict(_storage_key(t) for t in found).items() if ptr not in skip)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_embedding_gradient_runs_in_b(defer: bool) -> None:
+    """The first stage's embedding tables get their gradient in B: deferring it would hold the ``[s, b, h]`` output
+    gradient until W (``defer_weight_grad=True`` restores that, with the same gradients)."""
+    cfg = tiny(num_layers=2, untie_embeddings_and_output_weights=True)
+    tokens, _ = _batch(cfg)
+    (stage,) = build_gpt_stages(cfg, 2, stages=[0], seed=2)
+    stage(tokens).square().sum().backward()
+    ref = {n: p.grad.clone() for n, p in stage.named_parameters()}
+    stage.zero_grad(set_to_none=True)
+    emb = stage.embedding
+    for table in (emb.word_embeddings, emb.position_embeddings):
+        table.defer_weight_grad = defer
+    store, held = WeightGradStore(), []
+    bind_weight_grad_store(stage, store)
+    submit = store.submit
+    store.submit = lambda work: (held.append(work), submit(work))[1]
+    out = stage(tokens)  # [s, b, h]
+    with store.defer(0, 0):
+        out.square().sum().backward()
+    landed = emb.word_embeddings.weight.grad is not None and emb.position_embeddings.weight.grad is not None
+    assert landed is not defer
+    held_after_b = _held_bytes(held, stage.parameters())
+    store.run(0, 0)
+    for n, p in stage.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-6, atol=1e-7)
+    if defer:  # deferring holds at least the [s, b, h] output gradient (and the ids) until W
+        stage.zero_grad(set_to_none=True)
+        for table in (emb.word_embeddings, emb.position_embeddings):
+            table.defer_weight_grad = False
+        held.clear()
+        with store.defer(0, 1):
+            stage(tokens).square().sum().backward()
+        assert held_after_b - _held_bytes(held, stage.parameters()) >= out.numel() * out.element_size()
+        store.run(0, 1)

@@ -2,7 +2,8 @@
 
 Output layout is ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).  Word embeddings are summed over the
 tensor-parallel group first (each rank holds a slice of the vocabulary), then positions are added and the result is
-split by sequence under sequence parallelism.  Both tables are deferrable: their whole backward is weight work.
+split by sequence under sequence parallelism.  Both tables' whole backward is weight work; it runs in B (see
+``VocabParallelEmbedding``: deferring it costs a microbatch's output gradient of memory for a W of one scatter-add).
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ class PositionEmbedding(torch.nn.Module):
         super().__init__()
         self.weight = mark_deferrable(torch.nn.Parameter(torch.empty(max_positions, hidden_size)))  # [P, h]
         self.weight_grad_store: WeightGradStore | None = None
+        self.defer_weight_grad = False
 
     def forward(self, seq_len: int) -> torch.Tensor:  # -> [s, 1, h]
         positions = torch.arange(seq_len, device=self.weight.device)
-        return deferrable_embedding(positions, self.weight, self.weight_grad_store).unsqueeze(1)
+        table = deferrable_embedding(positions, self.weight, self.weight_grad_store, defer=self.defer_weight_grad)
+        return table.unsqueeze(1)
 
 
 class GPTEmbedding(torch.nn.Module):

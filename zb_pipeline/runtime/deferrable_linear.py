@@ -166,13 +166,13 @@ def deferrable_bias_add(x: torch.Tensor, bias: torch.Tensor, store: WeightGradSt
 
 class _DeferrableEmbedding(torch.autograd.Function):
     """Row lookup ``weight[ids]``.  Its backward has no input gradient at all (ids are integers), so with a
-    deferring store the whole backward (a scatter-add into the table) moves to W."""
+    deferring store and ``defer`` the whole backward (a scatter-add into the table) moves to W."""
 
     @staticmethod
-    def forward(ctx, ids, weight, store):  # ids: [...] int64 in [0, rows), weight: [rows, h]
+    def forward(ctx, ids, weight, store, defer):  # ids: [...] int64 in [0, rows), weight: [rows, h]
         ctx.save_for_backward(ids)
         ctx.weight_ref = weight
-        ctx.store = store
+        ctx.store, ctx.defer = store, defer
         return F.embedding(ids, weight)  # [..., h]
 
     @staticmethod
@@ -180,7 +180,7 @@ class _DeferrableEmbedding(torch.autograd.Function):
         (ids,) = ctx.saved_tensors
         weight, store = ctx.weight_ref, ctx.store
         if not ctx.needs_input_grad[1]:
-            return None, None, None
+            return None, None, None, None
         h = grad_y.shape[-1]
         flat_ids, grad2d = ids.reshape(-1), grad_y.reshape(-1, h)
 
@@ -189,7 +189,7 @@ class _DeferrableEmbedding(torch.autograd.Function):
             return grad.index_add_(0, flat_ids, grad2d)
 
         if _weight_grad_goes_to_autograd(store, weight):
-            return None, table_grad(), None
+            return None, table_grad(), None, None
 
         def embedding_grad_work() -> None:
             main = getattr(weight, "main_grad", None)
@@ -199,16 +199,25 @@ class _DeferrableEmbedding(torch.autograd.Function):
             else:
                 accumulate_grad(weight, table_grad())
 
-        if store is None:
+        if store is None or not ctx.defer:
             embedding_grad_work()
         else:
             store.submit(embedding_grad_work)
-        return None, None, None
+        return None, None, None, None
 
 
-def deferrable_embedding(ids: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None) -> torch.Tensor:
-    """``weight[ids]`` with the table gradient deferrable (the whole embedding backward is weight work)."""
-    return _DeferrableEmbedding.apply(ids, weight, store)
+def deferrable_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, store: WeightGradStore | None = None, *, defer: bool = True
+) -> torch.Tensor:
+    """``weight[ids]`` with the table gradient deferrable (the whole embedding backward is weight work).
+
+    ``defer=False`` accumulates the table gradient during B even with a deferring store bound (still into
+    ``main_grad``/``grad`` by this module, so the parameter stays ``zb_deferrable``).  Deferring holds the output
+    gradient ``[..., h]`` of every microbatch until its W, for a W that is one scatter-add: on a first pipeline stage
+    that can leave a microbatch holding more after B than after F, which lifts a zero-bubble schedule's peak above
+    the bound it states in F's activations.
+    """
+    return _DeferrableEmbedding.apply(ids, weight, store, defer)
 
 
 class DeferrableLinear(torch.nn.Module):

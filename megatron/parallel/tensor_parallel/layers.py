@@ -147,8 +147,9 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     ``forward(ids [b, s])`` returns this rank's *partial* embeddings ``[b, s, h]`` (zero for ids outside its rows);
     the caller sums them over tp (all-reduce, or a reduce-scatter under sequence parallelism), which is where the
-    layout change to ``[s, b, h]`` also happens.  The whole backward of a lookup is weight work (ids carry no gradient),
-    so with a deferring store it all moves to W.
+    layout change to ``[s, b, h]`` also happens.  The whole backward of a lookup is weight work (ids carry no gradient).
+    It runs in B unless ``defer_weight_grad`` is set: deferring it to W would hold each microbatch's ``[b, s, h]``
+    output gradient until then, so the first stage would hold more per microbatch after B than after F.
     """
 
     def __init__(
@@ -168,13 +169,15 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.weight = _param((local, embedding_dim), device, dtype)  # [V/tp, h]
         set_tensor_parallel_attributes(self.weight, partition_dim=0)
         self.weight_grad_store: WeightGradStore | None = None
+        self.defer_weight_grad = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [b, s] int64
+        store, defer = self.weight_grad_store, self.defer_weight_grad
         if self.tp.tp_size == 1:
-            return deferrable_embedding(ids, self.weight, self.weight_grad_store)  # [b, s, h]
+            return deferrable_embedding(ids, self.weight, store, defer=defer)  # [b, s, h]
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # [b, s]
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
-        partial = deferrable_embedding(local_ids, self.weight, self.weight_grad_store)  # [b, s, h]
+        partial = deferrable_embedding(local_ids, self.weight, store, defer=defer)  # [b, s, h]
         return partial.masked_fill(outside.unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
