@@ -86,7 +86,7 @@ class Trainer:
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
     pipeline: Any = None  # megatron.pipeline.GPTPipeline when pp > 1 (then ``model`` is this rank's stages)
-    replanner: Any = None  # zb-auto re-planned from profiled costs (megatron.pipeline.trainer_hooks.attach_replanner)
+    replanner: Any = None  # the plan re-planned from profiled costs (megatron.pipeline.trainer_hooks.attach_replanner)
     # --enable-optimizer-post-validation with pp > 1 (megatron.pipeline.post_validated_step.PostValidatedStep)
     post_validation: Any = None
     # Called with (trainer, SettledStep) once a step's outcome is final, in iteration order (tests record state).

@@ -1,9 +1,10 @@
-"""zb-auto re-planned from profiled costs inside the trainer (--zero-bubble-pipeline-timers-start/end-iter).
+"""Schedules re-planned from profiled costs inside the trainer (--zero-bubble-pipeline-timers-start/end-iter).
 
-The profiling window times every F, B and W per stage; at its end every rank regenerates zb-auto from those costs
-and switches plans at the iteration boundary.  Switching plans changes only the order of work, so the losses stay
-those of pp = 1 (relative 1e-4, fixed before measuring: the order of the weight-gradient accumulation may change),
-the switch is logged, and the saved profile gives the same plan offline through ``zb-schedule --profile``.
+The profiling window times every F, B and W per stage; at its end every rank regenerates the run's schedule (zb-auto;
+also zb-v, whose order depends on the costs) from those costs and switches plans at the iteration boundary.
+Switching plans changes only the order of work, so the losses stay those of pp = 1 (relative 1e-4, fixed before
+measuring: the order of the weight-gradient accumulation may change), the switch is logged, and the saved profile
+gives the same plan offline through ``zb-schedule --profile``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import io
 import math
 import os
+
+import pytest
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -37,13 +40,14 @@ def _train(rank: int, world_size: int, argv: list[str]) -> dict:
     return {"losses": list(summary.losses), "log": stream.getvalue()}
 
 
-def test_zb_auto_replans_from_profile_and_keeps_losses(tmp_path) -> None:
+@pytest.mark.parametrize(("flag", "name"), [("--enable-zero-bubble", "zb-auto"), ("--zero-bubble-v-schedule", "zb-v")])
+def test_replans_from_profile_and_keeps_losses(tmp_path, flag: str, name: str) -> None:
     from zb_pipeline.runtime.profiler import Profile, regenerate
     from zb_pipeline.schedule.plan_file import load_plan
 
     reference = run_multiprocess(_train, 1, args=(ARGV,), timeout_s=240)[0]["losses"]
     save = str(tmp_path / "ckpt")
-    argv = [*ARGV, "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *WINDOW, "--save", save]
+    argv = [*ARGV, "--pipeline-model-parallel-size", "2", flag, *WINDOW, "--save", save]
     results = run_multiprocess(_train, 2, args=(argv,), timeout_s=240)
     losses = results[0]["losses"]
     assert len(losses) == len(reference) == STEPS
@@ -52,13 +56,13 @@ def test_zb_auto_replans_from_profile_and_keeps_losses(tmp_path) -> None:
         reference,
     )
     log = "".join(r["log"] for r in results)
-    assert "replanned zb-auto" in log
+    assert f"replanned {name}" in log
     # The saved profile plans offline exactly what the trainer switched to.
     prof_path = os.path.join(save, "zb_profile.json")
     profile = Profile.load(prof_path)
-    again = regenerate(profile, 4, name="zb-auto").schedule
+    again = regenerate(profile, 4, name=name).schedule
     from zb_pipeline.schedule.cli import main as zb_schedule
 
     out = tmp_path / "plan.json"
-    assert zb_schedule(["simulate", "zb-auto", "-p", "2", "-m", "4", "--profile", prof_path, "--export", str(out)]) == 0
+    assert zb_schedule(["simulate", name, "-p", "2", "-m", "4", "--profile", prof_path, "--export", str(out)]) == 0
     assert load_plan(out).ranks == again.ranks

@@ -134,6 +134,22 @@ def _compute_span_ms(tracer: Tracer, iteration: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------ (a) emulated compute
+def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> tuple[Schedule, StageCosts]:
+    """Schedule ``name`` planned for the emulated costs (F, B, W per rank's share, T_comm ``comm_ms``), as the
+    trainer plans the cost-dependent schedules from measured costs, with those costs."""
+    shape = registry.generate(name, p, m)  # the schedule's own chunks and placement
+    costs = StageCosts.build(
+        num_ranks=p,
+        chunks=shape.chunks,
+        stage_to_rank=shape.stage_to_rank,
+        f=EMU_COSTS.f_ms,
+        b=EMU_COSTS.b_ms,
+        w=EMU_COSTS.w_ms,
+        comm=comm_ms,
+    )
+    return registry.generate(name, p, m, chunks=shape.chunks, costs=costs), costs
+
+
 def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
     torch.set_num_threads(1)
     specs_shape = EMU_SPEC
@@ -145,7 +161,7 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
     hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
     out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
     for name, m in cases:
-        sched = registry.generate(name, world, m)
+        sched, _ = emulated_plan(name, world, m, latency)  # the latency is agreed: every rank makes the same plan
         specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
         tracer = Tracer(rank)
         p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
@@ -169,6 +185,8 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
                 waits += got_waits
             tracer.events.clear()
         out["cases"][f"{name}/{m}"] = {"spans": spans, "iterations": iters, "sends": sends, "waits": waits}
+        if rank == 0:
+            out["cases"][f"{name}/{m}"]["plan"] = plan_to_dict(sched)
     dist.barrier()
     return out
 
@@ -191,7 +209,8 @@ def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list
 def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float | None:
     """Effective cost of one cross-rank hop inside the running pipeline: for every receive that blocked, the end of
     the wait minus the moment the producing action was due to end (its start + its emulated cost).  It holds what
-    the ping-pong misses: the sender oversleeping before it posts, the transfer, and the receiver's wake-up."""
+    the ping-pong misses: the sender oversleeping before it posts, the transfer, and the receiver's wake-up.  The
+    mean over the blocked receives: a critical path of n hops costs n times the mean, not the median."""
     cost = {"F": EMU_COSTS.f_ms, "B": EMU_COSTS.b_ms, "BW": EMU_COSTS.b_ms + EMU_COSTS.w_ms}
     due = {}
     for r in results:
@@ -203,7 +222,7 @@ def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float 
             t = due.get(tuple(k))
             if t is not None and end - start > 2e-4:
                 samples.append((end - t) * 1e3)
-    return max(0.0, statistics.median(samples)) if samples else None
+    return max(0.0, statistics.fmean(samples)) if samples else None  # a chain of hops adds up their mean
 
 
 def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Callable[[str], None]) -> dict:
@@ -230,19 +249,12 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
             its = range(1 if iterations > 1 else 0, iterations)
             span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
             whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
-            sched = registry.generate(name, p, m)
-            costs = StageCosts.build(
-                num_ranks=p,
-                chunks=sched.chunks,
-                stage_to_rank=sched.stage_to_rank,
-                f=EMU_COSTS.f_ms,
-                b=EMU_COSTS.b_ms,
-                w=EMU_COSTS.w_ms,
-                comm=lat,
-            )
+            sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
+            _, costs = emulated_plan(name, p, m, lat)
             sim = simulate(sched, costs)
             lat_in = in_pipeline_latency_ms(res, key, sched.chunks)
             sim_in = simulate(sched, replace(costs, comm=lat_in)) if lat_in is not None else sim
+            hops = simulate(sched, replace(costs, comm=costs.comm + 1.0)).makespan - sim.makespan  # per ms of T_comm
             rows.append(
                 {
                     "p": p,
@@ -253,6 +265,7 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
                     "error": span / sim.makespan - 1,
                     "in_pipeline_latency_ms": lat_in,
                     "simulated_in_pipeline_ms": sim_in.makespan,
+                    "critical_hops": hops,
                     "error_in_pipeline": span / sim_in.makespan - 1,
                     "iteration_ms": whole,
                     "simulated_bubble": sim.bubble_rate,
@@ -341,7 +354,7 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
     if device == "cpu" and keep_freed:  # as the trainer does: malloc keeps freed activations (no page faults)
         keep_freed_host_memory()
     real = _Real(rank, world, model, m, device)
-    # 1. Profile one split-backward schedule per layout; plan zb-auto from the loop layout's profile.
+    # 1. Profile one split-backward schedule per layout; plan the cost-dependent schedules from their layout's profile.
     profiles: dict[tuple[str, int], Profile] = {}
     layouts = sorted({layout_of(n) for n in names})
     for layout in layouts:
@@ -355,8 +368,8 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
         profiles[layout] = prof.gather()
     plans: dict[str, Schedule] = {}
     for name in names:
-        if name == "zb-auto":
-            plans[name] = regenerate(profiles[layout_of(name)], m, name="zb-auto").schedule
+        if registry.get(name).uses_costs:  # as the trainer re-plans them after its profiling window
+            plans[name] = regenerate(profiles[layout_of(name)], m, name=name).schedule
         else:
             plans[name] = registry.generate(name, world, m)
     # 2. Every schedule: a profiled window for its measured peak memory, then the alternated timed runs, whose

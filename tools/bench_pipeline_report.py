@@ -53,17 +53,21 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"{c['opt_ms']:g} ms; T_comm in the simulation = measured gloo one-way latency to a receiver that waited "
             f"idle {emu['idle_s'] * 1e3:g} ms before each message, as a rank in a bubble does ({lat}; back-to-back "
             f"round trips give {hot_text or 'n/a'}: this VM's idle cores wake slowly). Emulated actions sleep, then "
-            "spin their last 0.3 ms, so they end on time. "
+            "spin their last 0.3 ms, so they end on time. Every schedule is planned for these costs (those whose plan "
+            "depends on the costs -- zb-auto, ZB-H2, the V schedules, interleaved-zb -- as the trainer plans them "
+            "from profiled costs). "
             f"Span: the slowest rank's first compute start to last compute end (trace), median over iterations "
             f"after the first. Targets: span within 3% of the makespan; speed-up within 2 points of the simulated. "
             "In-pipeline T_comm: for every receive that blocked, the end of the wait minus the moment the producing "
             "action on the other rank was due to end (from the traces, host clock): what a hop really costs in the "
             "running pipeline -- the sender oversleeping before it posts, the transfer, the receiver's wake-up on "
-            "the busy host; the simulation with it is shown beside.",
+            "the busy host; its mean (a chain of hops adds up their mean, not their median) and the simulation with "
+            "it are shown beside. Hops: how many cross-rank hops the simulated critical path holds (the makespan's "
+            "growth per ms of T_comm), i.e. how much a per-hop error weighs.",
             "",
-            "| p | m | schedule | measured span ms | simulated ms | error | in-pipeline T_comm ms: simulated (error) "
-            "| speed-up vs 1F1B (measured / simulated) | iteration incl. OPT ms |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| p | m | schedule | measured span ms | simulated ms | error | hops | in-pipeline T_comm ms (mean): "
+            "simulated (error) | speed-up vs 1F1B (measured / simulated) | iteration incl. OPT ms |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in emu["rows"]:
             sp = "-"
@@ -72,7 +76,8 @@ def to_markdown(report: dict[str, Any]) -> str:
                 sp = f"{r['speedup']:.3f} / {r['simulated_speedup']:.3f} ({gap:+.1f} pt)"
             lines.append(
                 f"| {r['p']} | {r['m']} | {r['schedule']} | {r['measured_span_ms']:.1f} | {r['simulated_ms']:.1f} "
-                f"| {r['error']:+.1%} | {r['in_pipeline_latency_ms'] or 0:.2f}: {r['simulated_in_pipeline_ms']:.1f} "
+                f"| {r['error']:+.1%} | {r.get('critical_hops', 0):.0f} "
+                f"| {r['in_pipeline_latency_ms'] or 0:.2f}: {r['simulated_in_pipeline_ms']:.1f} "
                 f"({r['error_in_pipeline']:+.1%}) | {sp} | {r['iteration_ms']:.1f} |"
             )
         errs = [abs(r["error"]) for r in emu["rows"]]
@@ -105,7 +110,9 @@ def to_markdown(report: dict[str, Any]) -> str:
             "between barriers as the slowest rank's time, forward + backward without the optimizer step. Ratio = "
             "tokens/s over the 1F1B runs of the same launch, median with a bootstrap 95% interval; the 1F1B row is "
             "the median over all launches. `torch:*` rows are torch.distributed.pipelining's schedules on the same "
-            "blocks, timed the same way. Host memory: "
+            "blocks, timed the same way. Our schedules whose plan depends on the costs (zb-auto, ZB-H2, ZB-V, V-Half, "
+            "V-Min, interleaved-zb) are planned from the profile taken at the start of the launch, as the trainer "
+            "re-plans them after its profiling window. Host memory: "
             + (
                 "freed blocks kept in the process (`keep_freed_host_memory`, as the trainer does on CPU). "
                 if real.get("host_malloc", "keep") == "keep"

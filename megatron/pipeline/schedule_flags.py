@@ -17,7 +17,8 @@ The reference fork's flags, so its users' scripts run unchanged:
     --zero-bubble-max-pending-backward auto   -> the limit that fits --zero-bubble-adaptive-memory-limit-percentile
                                                  (default 85) of device memory; resolved by the profiler at run time
                                                  (``mem_limit_auto``), no limit until then
-    --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window (stored for the measurement code)
+    --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window: at its end zb-auto, zb-h2, the V
+                                                 schedules and interleaved-zb are re-planned from the measured costs
     --enable-exactly-numeric-match            accepted: our runtime is exact by construction (each stage's weight
                                                  gradients accumulate in microbatch order)
     --enable-optimizer-post-validation        the optimizer steps without waiting for the other pipeline stages'

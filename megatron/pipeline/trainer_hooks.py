@@ -37,6 +37,7 @@ import torch
 from megatron.model.config import GPTConfig
 from megatron.parallel.context import ParallelContext
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
+from zb_pipeline.schedule import registry
 
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
@@ -161,16 +162,20 @@ def pipeline_summary(run: RunConfig, pipe: GPTPipeline | None) -> dict[str, str]
 
 
 def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelContext, log: Any) -> Any:
-    """zb-auto from profiled costs: a ``WindowReplanner`` over ``--zero-bubble-pipeline-timers-start/end-iter``.
+    """The run's schedule re-planned from profiled costs: a ``WindowReplanner`` over
+    ``--zero-bubble-pipeline-timers-start/end-iter``.
 
-    Returns ``None`` unless the run uses the built-in zb-auto with a profiling window.  Every rank builds it (the
-    switch is collective over the job so all tensor- and data-parallel replicas adopt one plan).
+    Returns ``None`` unless the run uses a built-in schedule whose plan depends on the costs (``uses_costs`` in the
+    registry: zb-auto, zb-h2's W placement, the V schedules, interleaved-zb) with a profiling window.
+    The memory limit (``--zero-bubble-max-pending-backward``) applies to zb-auto; the others keep the bound they
+    state.  Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
+    adopt one plan).
     """
     cfg = run.pipeline
     if (
         pipe is None
-        or cfg.schedule != "zb-auto"
         or cfg.schedule_file is not None
+        or not registry.get(cfg.schedule).uses_costs
         or cfg.timers_start_iter is None
         or cfg.timers_end_iter is None
     ):
@@ -180,13 +185,14 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     from zb_pipeline.runtime.profiler import WindowReplanner
 
     save = run.checkpoint.save
+    auto = cfg.schedule == "zb-auto"
     return WindowReplanner(
         pipe.executor,
         start_iter=cfg.timers_start_iter,
         end_iter=cfg.timers_end_iter,
-        name="zb-auto",
-        mem_limit="auto" if cfg.mem_limit_auto else None,
-        mem_limit_microbatches=cfg.mem_limit,
+        name=cfg.schedule,
+        mem_limit="auto" if cfg.mem_limit_auto and auto else None,
+        mem_limit_microbatches=cfg.mem_limit if auto else None,
         percentile=cfg.adaptive_memory_percentile,
         group=ctx.pp_group,
         save_path=os.path.join(save, "zb_profile.json") if save else None,

@@ -28,6 +28,7 @@ class GeneratorSpec:
     default_chunks: int
     placement: str  # "loop" or "v"
     description: str
+    uses_costs: bool = False  # the plan depends on the stage costs (re-planned from profiled costs by the trainer)
 
 
 _REGISTRY: dict[str, GeneratorSpec] = {}
@@ -41,14 +42,17 @@ def register(
     default_chunks: int | None = None,
     placement: str = "loop",
     description: str = "",
+    uses_costs: bool = False,
 ) -> Callable[[GeneratorFn], GeneratorFn]:
-    """Decorator: add a generator under ``name``."""
+    """Decorator: add a generator under ``name``; ``uses_costs``: its plan depends on the ``costs`` it is given
+    (not only the memory limit), so a profiling window re-plans it from measured costs."""
 
     def deco(fn: GeneratorFn) -> GeneratorFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"schedule {name!r} is registered twice")
         dc = default_chunks if default_chunks is not None else (chunks[0] if chunks else 1)
-        _REGISTRY[name] = GeneratorSpec(name, fn, chunks, dc, placement, description or (fn.__doc__ or "").strip())
+        doc = description or (fn.__doc__ or "").strip()
+        _REGISTRY[name] = GeneratorSpec(name, fn, chunks, dc, placement, doc, uses_costs)
         return fn
 
     return deco

@@ -215,6 +215,7 @@ def place_w(
     default_chunks=2,
     placement="loop",
     description="interleaved 1F1B with split B/W, W deferred into bubbles (ZB1P); interleaved-1F1B memory",
+    uses_costs=True,
 )
 def interleaved_zb(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """Interleaved zero-bubble schedule (loop placement, ``chunks`` in 2..8)."""

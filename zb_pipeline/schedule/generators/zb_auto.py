@@ -836,7 +836,12 @@ def _to_schedule(name: str, p: int, m: int, plans: Sequence[Sequence[int]]) -> S
     return Schedule(name, p, p, m, loop_placement(p), ranks)
 
 
-@register("zb-auto", chunks=(1,), description="searched zero-bubble plan under a memory limit (default 2p-1 mb)")
+@register(
+    "zb-auto",
+    uses_costs=True,
+    chunks=(1,),
+    description="searched zero-bubble plan under a memory limit (default 2p-1 mb)",
+)
 def zb_auto(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """Searched zero-bubble plan: smallest makespan found under ``mem_limit`` (default: 2p - 1 microbatches)."""
     if chunks != 1:

@@ -104,7 +104,9 @@ def zb_h1(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: floa
     return _check_limit("zb-h1", zb_h1_order(p, m), costs, mem_limit)
 
 
-@register("zb-h2", chunks=(1,), description="zero-bubble H2: 2p-1 microbatches, bubble (p-1)(F+B+2c-2W)")
+@register(
+    "zb-h2", uses_costs=True, chunks=(1,), description="zero-bubble H2: 2p-1 microbatches, bubble (p-1)(F+B+2c-2W)"
+)
 def zb_h2(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """ZB-H2: 2p-1 microbatches of activation memory, bubble (p-1)(F+B+2c-2W)."""
     _one_chunk("zb-h2", chunks, costs, p)
