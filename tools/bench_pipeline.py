@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -47,10 +47,10 @@ for path in (REPO, os.path.join(REPO, "tools")):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+from bench_pipeline_emulated import compute_span_ms, run_emulated  # noqa: E402
 from bench_pipeline_report import plot, to_markdown  # noqa: E402
 
 from megatron.model import build_gpt_stages  # noqa: E402
-from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
 from zb_pipeline.runtime.host_allocator import keep_freed_host_memory  # noqa: E402
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
@@ -58,14 +58,12 @@ from zb_pipeline.runtime.profiler import (  # noqa: E402
     ActionProfiler,
     Profile,
     costs_for,
-    measure_p2p_latency,
     predict_makespan,
     regenerate,
 )
 from zb_pipeline.runtime.trace import Tracer  # noqa: E402
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore  # noqa: E402
 from zb_pipeline.schedule import registry  # noqa: E402
-from zb_pipeline.schedule.costs import StageCosts  # noqa: E402
 from zb_pipeline.schedule.ir import Schedule  # noqa: E402
 from zb_pipeline.schedule.lowering import lower  # noqa: E402
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict  # noqa: E402
@@ -77,9 +75,6 @@ try:  # BENCH's peer benchmark: the same GPT blocks, its alternated timing and b
 except Exception:  # pragma: no cover - depends on the checkout
     tp_bench = None
 
-EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)
-EMU_SPEC = (4, 16)
-IDLE_S = 0.01  # how long a receiver waits idle before each hop when T_comm is measured (about one action)
 # Split-backward schedule whose profile plans each layout (placement, chunks).
 LAYOUT_PROFILER = {("loop", 1): "zb-h1", ("loop", 2): "interleaved-zb", ("v", 2): "zb-v"}
 
@@ -120,174 +115,6 @@ def bootstrap_ratio(times: Sequence[float], base: Sequence[float], *, samples: i
     r = np.median(b[:n][idx], axis=1) / np.median(a[:n][idx], axis=1)
     lo, hi = np.percentile(r, [2.5, 97.5])
     return float(np.median(b) / np.median(a)), float(lo), float(hi)
-
-
-def _compute_span_ms(tracer: Tracer, iteration: int) -> float:
-    evs = [
-        e
-        for e in tracer.events
-        if e.get("tid") == 0 and e.get("cat") in ("F", "B", "W", "BW") and e["args"]["iteration"] == iteration
-    ]
-    if not evs:
-        return 0.0
-    return (max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)) / 1e3
-
-
-# ------------------------------------------------------------------------------------------ (a) emulated compute
-def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> tuple[Schedule, StageCosts]:
-    """Schedule ``name`` planned for the emulated costs (F, B, W per rank's share, T_comm ``comm_ms``), as the
-    trainer plans the cost-dependent schedules from measured costs, with those costs."""
-    shape = registry.generate(name, p, m)  # the schedule's own chunks and placement
-    costs = StageCosts.build(
-        num_ranks=p,
-        chunks=shape.chunks,
-        stage_to_rank=shape.stage_to_rank,
-        f=EMU_COSTS.f_ms,
-        b=EMU_COSTS.b_ms,
-        w=EMU_COSTS.w_ms,
-        comm=comm_ms,
-    )
-    return registry.generate(name, p, m, chunks=shape.chunks, costs=costs), costs
-
-
-def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
-    torch.set_num_threads(1)
-    specs_shape = EMU_SPEC
-    # T_comm for the simulator: a hop to a receiver that has been waiting idle (as a rank in a bubble does); the
-    # back-to-back round trip (idle_s = 0) is reported beside it.
-    latency = measure_p2p_latency(
-        pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30, idle_s=IDLE_S
-    )
-    hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
-    out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
-    for name, m in cases:
-        sched, _ = emulated_plan(name, world, m, latency)  # the latency is agreed: every rank makes the same plan
-        specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
-        tracer = Tracer(rank)
-        p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
-        stages = {s: torch.nn.Identity() for s in sched.stages_of(rank)}
-        ex = PipelineExecutor(
-            lower(sched), rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda o, mb: None, tracer=tracer
-        )
-        emu = EmulatedCompute(EMU_COSTS, chunks=sched.chunks, boundary_specs=specs)
-        emu.install(ex)
-        spans, iters, sends, waits = [], [], [], []
-        for it in range(iterations):
-            tracer.align()
-            t0 = time.perf_counter()
-            ex.run(it)
-            emu.optimizer_step()
-            iters.append((time.perf_counter() - t0) * 1e3)
-            spans.append(_compute_span_ms(tracer, it))
-            if it > 0 or iterations == 1:
-                got_sends, got_waits = _transfer_times(tracer.events, tracer._t0, it)
-                sends += got_sends
-                waits += got_waits
-            tracer.events.clear()
-        out["cases"][f"{name}/{m}"] = {"spans": spans, "iterations": iters, "sends": sends, "waits": waits}
-        if rank == 0:
-            out["cases"][f"{name}/{m}"]["plan"] = plan_to_dict(sched)
-    dist.barrier()
-    return out
-
-
-def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list, list]:
-    """Host-clock begin of every F/B/BW (keyed like the transfer it produces) and (start, end) of every wait."""
-    produced, waits = [], []
-    for e in events:
-        cat, a = e.get("cat"), e.get("args", {})
-        if cat in ("F", "B", "BW") and e.get("tid") == 0:
-            d = 0 if cat == "F" else 1
-            produced.append(((iteration, d, a["stage"], a["microbatch"]), cat, t0 + e["ts"] / 1e6))
-        elif cat == "wait" and a.get("kind") in ("RECV_F", "RECV_B"):
-            d, s = (0, a["stage"] - 1) if a["kind"] == "RECV_F" else (1, a["stage"] + 1)
-            start = t0 + e["ts"] / 1e6
-            waits.append(((iteration, d, s, a["microbatch"]), start, start + e["dur"] / 1e6))
-    return produced, waits
-
-
-def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float | None:
-    """Effective cost of one cross-rank hop inside the running pipeline: for every receive that blocked, the end of
-    the wait minus the moment the producing action was due to end (its start + its emulated cost).  It holds what
-    the ping-pong misses: the sender oversleeping before it posts, the transfer, and the receiver's wake-up.  The
-    mean over the blocked receives: a critical path of n hops costs n times the mean, not the median."""
-    cost = {"F": EMU_COSTS.f_ms, "B": EMU_COSTS.b_ms, "BW": EMU_COSTS.b_ms + EMU_COSTS.w_ms}
-    due = {}
-    for r in results:
-        for k, kind, begin in r["cases"][key]["sends"]:
-            due[tuple(k)] = begin + cost[kind] / chunks / 1e3
-    samples = []
-    for r in results:
-        for k, start, end in r["cases"][key]["waits"]:
-            t = due.get(tuple(k))
-            if t is not None and end - start > 2e-4:
-                samples.append((end - t) * 1e3)
-    return max(0.0, statistics.fmean(samples)) if samples else None  # a chain of hops adds up their mean
-
-
-def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Callable[[str], None]) -> dict:
-    rows = []
-    latencies, hot_latencies = {}, {}
-    for p in ps:
-        cases = []
-        for m in ms:
-            for name in all_schedules():
-                try:
-                    registry.generate(name, p, m)
-                except ValueError as err:
-                    log(f"  emulated p={p} m={m}: {name} skipped ({str(err).splitlines()[0]})")
-                    continue
-                cases.append((name, m))
-        log(f"(a) emulated compute, p={p}: {len(cases)} runs of {iterations} iterations")
-        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations), timeout_s=1800)
-        lat = statistics.median(r["latency_ms"] for r in res)
-        latencies[p] = lat
-        hot_latencies[p] = statistics.median(r["hot_latency_ms"] for r in res)
-        for name, m in cases:
-            key = f"{name}/{m}"
-            # skip the first iteration (warm-up); per iteration the slowest rank, then the median over iterations
-            its = range(1 if iterations > 1 else 0, iterations)
-            span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
-            whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
-            sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
-            _, costs = emulated_plan(name, p, m, lat)
-            sim = simulate(sched, costs)
-            lat_in = in_pipeline_latency_ms(res, key, sched.chunks)
-            sim_in = simulate(sched, replace(costs, comm=lat_in)) if lat_in is not None else sim
-            hops = simulate(sched, replace(costs, comm=costs.comm + 1.0)).makespan - sim.makespan  # per ms of T_comm
-            rows.append(
-                {
-                    "p": p,
-                    "m": m,
-                    "schedule": name,
-                    "measured_span_ms": span,
-                    "simulated_ms": sim.makespan,
-                    "error": span / sim.makespan - 1,
-                    "in_pipeline_latency_ms": lat_in,
-                    "simulated_in_pipeline_ms": sim_in.makespan,
-                    "critical_hops": hops,
-                    "error_in_pipeline": span / sim_in.makespan - 1,
-                    "iteration_ms": whole,
-                    "simulated_bubble": sim.bubble_rate,
-                }
-            )
-            err, err_in = span / sim.makespan - 1, span / sim_in.makespan - 1
-            log(
-                f"  p={p} m={m} {name:<16} span {span:8.1f} ms  sim {sim.makespan:8.1f} ms  ({err:+.1%}); in-pipeline "
-                f"T_comm {lat_in or 0:.2f} ms: sim {sim_in.makespan:8.1f} ms ({err_in:+.1%})"
-            )
-    for row in rows:
-        base = next((r for r in rows if r["p"] == row["p"] and r["m"] == row["m"] and r["schedule"] == "1f1b"), None)
-        if base is not None:
-            row["speedup"] = base["measured_span_ms"] / row["measured_span_ms"]
-            row["simulated_speedup"] = base["simulated_ms"] / row["simulated_ms"]
-    return {
-        "rows": rows,
-        "latency_ms": latencies,
-        "hot_latency_ms": hot_latencies,
-        "idle_s": IDLE_S,
-        "costs_ms": asdict(EMU_COSTS),
-    }
 
 
 # ------------------------------------------------------------------------------------ (b, c, d) real compute
@@ -407,7 +234,7 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
     spans = {}
     for name, tracer in tracers.items():
         its = sorted({e["args"]["iteration"] for e in tracer.events if "args" in e})
-        spans[name] = [_compute_span_ms(tracer, it) for it in its[1:]]  # the warm-up run is not timed
+        spans[name] = [compute_span_ms(tracer, it) for it in its[1:]]  # the warm-up run is not timed
     own = {name: t.gather(comm_ms=profiles[layout_of(name)].comm).to_dict() for name, t in timers.items()}
     peaks = {name: prof.local_summary()["peak"] for name, prof in profilers.items()}
     dist.barrier()

@@ -1,0 +1,201 @@
+"""Part (a) of ``tools/bench_pipeline.py``: the runtime on emulated compute against the simulator.
+
+Every F, B and W sleeps its cost (``zb_pipeline.runtime.emulate``) with real gloo P2P between ``p`` processes, for
+every registered schedule planned for those costs; the measured span of an iteration (from the trace) is compared
+with the simulator's makespan under T_comm = the measured gloo latency, and with the per-hop cost measured inside
+the running pipeline.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
+
+import torch
+import torch.distributed as dist
+
+from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
+from zb_pipeline.runtime.executor import PipelineExecutor
+from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+from zb_pipeline.runtime.profiler import measure_p2p_latency
+from zb_pipeline.runtime.trace import Tracer
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.lowering import lower
+from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict
+from zb_pipeline.schedule.simulate import simulate
+from zb_pipeline.testing import run_multiprocess
+
+EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)
+EMU_SPEC = (4, 16)
+IDLE_S = 0.01  # how long a receiver waits idle before each hop when T_comm is measured (about one action)
+
+
+def compute_span_ms(tracer: Tracer, iteration: int) -> float:
+    evs = [
+        e
+        for e in tracer.events
+        if e.get("tid") == 0 and e.get("cat") in ("F", "B", "W", "BW") and e["args"]["iteration"] == iteration
+    ]
+    if not evs:
+        return 0.0
+    return (max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)) / 1e3
+
+
+def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> tuple[Schedule, StageCosts]:
+    """Schedule ``name`` planned for the emulated costs (F, B, W per rank's share, T_comm ``comm_ms``), as the
+    trainer plans the cost-dependent schedules from measured costs, with those costs."""
+    shape = registry.generate(name, p, m)  # the schedule's own chunks and placement
+    costs = StageCosts.build(
+        num_ranks=p,
+        chunks=shape.chunks,
+        stage_to_rank=shape.stage_to_rank,
+        f=EMU_COSTS.f_ms,
+        b=EMU_COSTS.b_ms,
+        w=EMU_COSTS.w_ms,
+        comm=comm_ms,
+    )
+    return registry.generate(name, p, m, chunks=shape.chunks, costs=costs), costs
+
+
+def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
+    torch.set_num_threads(1)
+    specs_shape = EMU_SPEC
+    # T_comm for the simulator: a hop to a receiver that has been waiting idle (as a rank in a bubble does); the
+    # back-to-back round trip (idle_s = 0) is reported beside it.
+    latency = measure_p2p_latency(
+        pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30, idle_s=IDLE_S
+    )
+    hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
+    out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
+    for name, m in cases:
+        sched, _ = emulated_plan(name, world, m, latency)  # the latency is agreed: every rank makes the same plan
+        specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
+        tracer = Tracer(rank)
+        p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
+        stages = {s: torch.nn.Identity() for s in sched.stages_of(rank)}
+        ex = PipelineExecutor(
+            lower(sched), rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda o, mb: None, tracer=tracer
+        )
+        emu = EmulatedCompute(EMU_COSTS, chunks=sched.chunks, boundary_specs=specs)
+        emu.install(ex)
+        spans, iters, sends, waits = [], [], [], []
+        for it in range(iterations):
+            tracer.align()
+            t0 = time.perf_counter()
+            ex.run(it)
+            emu.optimizer_step()
+            iters.append((time.perf_counter() - t0) * 1e3)
+            spans.append(compute_span_ms(tracer, it))
+            if it > 0 or iterations == 1:
+                got_sends, got_waits = _transfer_times(tracer.events, tracer._t0, it)
+                sends += got_sends
+                waits += got_waits
+            tracer.events.clear()
+        out["cases"][f"{name}/{m}"] = {"spans": spans, "iterations": iters, "sends": sends, "waits": waits}
+        if rank == 0:
+            out["cases"][f"{name}/{m}"]["plan"] = plan_to_dict(sched)
+    dist.barrier()
+    return out
+
+
+def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list, list]:
+    """Host-clock begin of every F/B/BW (keyed like the transfer it produces) and (start, end) of every wait."""
+    produced, waits = [], []
+    for e in events:
+        cat, a = e.get("cat"), e.get("args", {})
+        if cat in ("F", "B", "BW") and e.get("tid") == 0:
+            d = 0 if cat == "F" else 1
+            produced.append(((iteration, d, a["stage"], a["microbatch"]), cat, t0 + e["ts"] / 1e6))
+        elif cat == "wait" and a.get("kind") in ("RECV_F", "RECV_B"):
+            d, s = (0, a["stage"] - 1) if a["kind"] == "RECV_F" else (1, a["stage"] + 1)
+            start = t0 + e["ts"] / 1e6
+            waits.append(((iteration, d, s, a["microbatch"]), start, start + e["dur"] / 1e6))
+    return produced, waits
+
+
+def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float | None:
+    """Effective cost of one cross-rank hop inside the running pipeline: for every receive that blocked, the end of
+    the wait minus the moment the producing action was due to end (its start + its emulated cost).  It holds what
+    the ping-pong misses: the sender oversleeping before it posts, the transfer, and the receiver's wake-up.  The
+    mean over the blocked receives: a critical path of n hops costs n times the mean, not the median."""
+    cost = {"F": EMU_COSTS.f_ms, "B": EMU_COSTS.b_ms, "BW": EMU_COSTS.b_ms + EMU_COSTS.w_ms}
+    due = {}
+    for r in results:
+        for k, kind, begin in r["cases"][key]["sends"]:
+            due[tuple(k)] = begin + cost[kind] / chunks / 1e3
+    samples = []
+    for r in results:
+        for k, start, end in r["cases"][key]["waits"]:
+            t = due.get(tuple(k))
+            if t is not None and end - start > 2e-4:
+                samples.append((end - t) * 1e3)
+    return max(0.0, statistics.fmean(samples)) if samples else None  # a chain of hops adds up their mean
+
+
+def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Callable[[str], None]) -> dict:
+    rows = []
+    latencies, hot_latencies = {}, {}
+    for p in ps:
+        cases = []
+        for m in ms:
+            for name in registry.available():
+                try:
+                    registry.generate(name, p, m)
+                except ValueError as err:
+                    log(f"  emulated p={p} m={m}: {name} skipped ({str(err).splitlines()[0]})")
+                    continue
+                cases.append((name, m))
+        log(f"(a) emulated compute, p={p}: {len(cases)} runs of {iterations} iterations")
+        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations), timeout_s=1800)
+        lat = statistics.median(r["latency_ms"] for r in res)
+        latencies[p] = lat
+        hot_latencies[p] = statistics.median(r["hot_latency_ms"] for r in res)
+        for name, m in cases:
+            key = f"{name}/{m}"
+            # skip the first iteration (warm-up); per iteration the slowest rank, then the median over iterations
+            its = range(1 if iterations > 1 else 0, iterations)
+            span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
+            whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
+            sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
+            _, costs = emulated_plan(name, p, m, lat)
+            sim = simulate(sched, costs)
+            lat_in = in_pipeline_latency_ms(res, key, sched.chunks)
+            sim_in = simulate(sched, replace(costs, comm=lat_in)) if lat_in is not None else sim
+            hops = simulate(sched, replace(costs, comm=costs.comm + 1.0)).makespan - sim.makespan  # per ms of T_comm
+            rows.append(
+                {
+                    "p": p,
+                    "m": m,
+                    "schedule": name,
+                    "measured_span_ms": span,
+                    "simulated_ms": sim.makespan,
+                    "error": span / sim.makespan - 1,
+                    "in_pipeline_latency_ms": lat_in,
+                    "simulated_in_pipeline_ms": sim_in.makespan,
+                    "critical_hops": hops,
+                    "error_in_pipeline": span / sim_in.makespan - 1,
+                    "iteration_ms": whole,
+                    "simulated_bubble": sim.bubble_rate,
+                }
+            )
+            err, err_in = span / sim.makespan - 1, span / sim_in.makespan - 1
+            log(
+                f"  p={p} m={m} {name:<16} span {span:8.1f} ms  sim {sim.makespan:8.1f} ms  ({err:+.1%}); in-pipeline "
+                f"T_comm {lat_in or 0:.2f} ms: sim {sim_in.makespan:8.1f} ms ({err_in:+.1%})"
+            )
+    for row in rows:
+        base = next((r for r in rows if r["p"] == row["p"] and r["m"] == row["m"] and r["schedule"] == "1f1b"), None)
+        if base is not None:
+            row["speedup"] = base["measured_span_ms"] / row["measured_span_ms"]
+            row["simulated_speedup"] = base["simulated_ms"] / row["simulated_ms"]
+    return {
+        "rows": rows,
+        "latency_ms": latencies,
+        "hot_latency_ms": hot_latencies,
+        "idle_s": IDLE_S,
+        "costs_ms": asdict(EMU_COSTS),
+    }
