@@ -245,6 +245,15 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
     assert len(prof.times[(sched.ranks[0][0].kind, 0)]) == 3
     got = prof.gather()
     assert got.samples == (3,) and got.comm == 0.0
+    # Medians to plan with, means to predict a span (a sum): each summarises the same recorded samples.
+    f_times = prof.times[(sched.ranks[0][0].kind, 0)]
+    assert got.statistic == "median" and got.f == (float(np.median(f_times)),)
+    mean = prof.gather(statistic="mean")
+    assert mean.statistic == "mean" and mean.f[0] == pytest.approx(float(np.mean(f_times)), rel=1e-12)
+    assert mean.overhead == pytest.approx(float(np.mean(prof.gaps)), rel=1e-12)
+    assert Profile.from_dict(mean.to_dict()) == mean
+    with pytest.raises(ValueError, match="statistic"):
+        prof.gather(statistic="mode")
     assert got.peak_bytes == rank_peak_memory(sched, got.to_stage_costs()) == (4.0 * BATCH * HIDDEN * FLOAT_BYTES,)
     with pytest.raises(ValueError, match="empty"):
         ActionProfiler(ex, start_iter=2, end_iter=2)

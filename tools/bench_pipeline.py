@@ -235,7 +235,10 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
     for name, tracer in tracers.items():
         its = sorted({e["args"]["iteration"] for e in tracer.events if "args" in e})
         spans[name] = [compute_span_ms(tracer, it) for it in its[1:]]  # the warm-up run is not timed
-    own = {name: t.gather(comm_ms=profiles[layout_of(name)].comm).to_dict() for name, t in timers.items()}
+    # Means, not medians: a span is a sum of actions and gaps (ActionProfiler.gather).
+    own = {
+        name: t.gather(comm_ms=profiles[layout_of(name)].comm, statistic="mean").to_dict() for name, t in timers.items()
+    }
     peaks = {name: prof.local_summary()["peak"] for name, prof in profilers.items()}
     dist.barrier()
     return {

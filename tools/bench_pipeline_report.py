@@ -154,12 +154,15 @@ def to_markdown(report: dict[str, Any]) -> str:
             "## (c) Prediction and (d) memory",
             "",
             "Predicted span: the simulator (`predict_makespan`) under the costs the profiler (`ActionProfiler`, "
-            "time only) recorded over the timed runs themselves: per-stage medians of T_F, T_B, T_W (T_BW for "
+            "time only) recorded over the timed runs themselves: per-stage means of T_F, T_B, T_W (T_BW for "
             "fused schedules), T_comm = measured P2P latency, plus the runtime's overhead per compute action (the "
-            "median gap between one action's end and the next one's start on a rank). Target: within 10% of the "
+            "mean gap between one action's end and the next one's start on a rank); means, because a span is a sum "
+            "of actions and gaps (the gap's median is 0.1-0.3 ms, its mean 2-3 times that: posting a transfer "
+            "sometimes blocks for milliseconds). Target: within 10% of the "
             "measured span. The next column feeds the simulator the profile taken at the start of the launch from a "
             "split-backward schedule of the same layout (zb-h1 for one chunk, interleaved-zb for two looped chunks, "
-            "zb-v for V; zb-auto is planned from it): on this shared VM the speed of the same code drifts by 10-30% "
+            "zb-v for V; the cost-dependent schedules are planned from it; medians): on this shared VM the speed of "
+            "the same code drifts by 10-30% "
             "within seconds to minutes, so a profile taken earlier carries that drift into the prediction. "
             "Peak activation memory: the profiler's saved-tensor bytes (what autograd's graph saved plus what the "
             "deferred W work holds), resident per rank, maximum over a profiled window; predicted: the simulator's "

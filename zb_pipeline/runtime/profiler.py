@@ -153,6 +153,15 @@ def _median(values: Sequence[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
+STATISTICS = ("median", "mean")
+
+
+def _summarise(values: Sequence[float], statistic: str) -> float | None:
+    if not values:
+        return None
+    return float(statistics.median(values) if statistic == "median" else statistics.fmean(values))
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
     st = t.untyped_storage()
     return st.data_ptr(), st.nbytes()
@@ -380,25 +389,36 @@ class ActionProfiler:
             self.times.setdefault((kind, stage), []).append(float(start.elapsed_time(end)))
         self._events.clear()
 
-    def local_summary(self) -> dict[str, Any]:
-        """Per-stage medians of this rank's samples (JSON-able; what ``gather`` exchanges)."""
+    def local_summary(self, statistic: str = "median") -> dict[str, Any]:
+        """Per-stage summaries of this rank's samples (JSON-able; what ``gather`` exchanges): times and the gap
+        between compute actions by ``statistic`` (see ``gather``), memory deltas by their median."""
+        if statistic not in STATISTICS:
+            raise ValueError(f"{statistic=} must be one of {STATISTICS}")
         self._close_iteration()
         self._resolve_events()
         out: dict[str, Any] = {"stages": {}, "peak": max(self.peaks, default=0.0)}
         for s in self.ex.stages:
-            entry = {k.value: _median(self.times.get((k, s), [])) for k in _COMPUTE}
+            entry = {k.value: _summarise(self.times.get((k, s), []), statistic) for k in _COMPUTE}
             entry.update({"mem_" + k.value: _median(self.mem.get((k, s), [])) for k in _COMPUTE})
             entry["residual"] = _median(self.residual.get(s, [])) or 0.0
             entry["samples"] = len(self.times.get((Kind.F, s), []))
             out["stages"][s] = entry
-        out["gap"] = _median(self.gaps)
+        out["gap"] = _summarise(self.gaps, statistic)
         return out
 
-    def gather(self, *, group: Any = None, comm_ms: float | None = None, latency_repeats: int = 20) -> Profile:
-        """Every rank's medians and the P2P latency, combined into one ``Profile`` (collective on ``group``)."""
+    def gather(
+        self, *, group: Any = None, comm_ms: float | None = None, latency_repeats: int = 20, statistic: str = "median"
+    ) -> Profile:
+        """Every rank's summaries and the P2P latency, combined into one ``Profile`` (collective on ``group``).
+
+        ``statistic="median"`` (the default) gives the typical cost of each action, what a planner should plan
+        with, robust to a stray slow sample.  ``"mean"`` is the statistic for *predicting* an iteration: a span is a
+        sum of actions and gaps, and a sum is n times the mean, not the median (the gap between actions, mostly
+        posting transfers, has a long tail on a busy host: median 0.1-0.3 ms, mean 0.4-0.8 ms here).
+        """
         import torch.distributed as dist
 
-        mine = self.local_summary()
+        mine = self.local_summary(statistic)
         distributed = dist.is_available() and dist.is_initialized()
         if distributed:
             gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -463,7 +483,8 @@ class ActionProfiler:
             window=(self.start_iter, -1 if self.end_iter is None else self.end_iter),
             memory_source=self.memory,
             device=self.device,
-            overhead=float(statistics.median(gaps)) if gaps else 0.0,
+            overhead=float(_summarise(gaps, statistic)) if gaps else 0.0,
+            statistic=statistic,
         )
 
 

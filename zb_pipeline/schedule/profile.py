@@ -29,7 +29,8 @@ _MIN_COST_MS = 1e-6  # StageCosts needs costs > 0; an action too fast to time st
 
 @dataclass(frozen=True)
 class Profile:
-    """Per-virtual-stage medians of one profiling window (times in ms, memory in bytes).
+    """Per-virtual-stage medians (or means, see ``statistic``) of one profiling window (times in ms, memory in
+    bytes).
 
     ``b``/``w`` are ``None`` for stages that only ran fused ``BW`` (then ``bw`` holds its time); ``mem_b`` and
     ``mem_w`` follow the cost model (``mem_f + mem_b + mem_w == 0``; ``residual`` is what W left resident, which the
@@ -55,6 +56,7 @@ class Profile:
     memory_source: str = "none"  # "cuda" | "saved-tensors" | "none"
     device: str = "cpu"
     overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (median gap; 0 = not measured)
+    statistic: str = "median"  # how each stage's samples were summarised: "median" (to plan) or "mean" (to predict)
 
     @property
     def num_stages(self) -> int:
@@ -169,6 +171,8 @@ class Profile:
         for name in ("f", "b", "w", "bw", "mem_f", "mem_b", "mem_w"):
             if len(getattr(prof, name)) != n:
                 raise ValueError(f"profile field {name!r} has {len(getattr(prof, name))} entries, expected {n}")
+        if prof.statistic not in ("median", "mean"):
+            raise ValueError(f"profile statistic {prof.statistic!r} must be 'median' or 'mean'")
         if not (math.isfinite(prof.overhead) and prof.overhead >= 0):
             raise ValueError(f"profile overhead {prof.overhead} must be finite and >= 0 (ms per compute action)")
         return prof
