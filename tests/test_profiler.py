@@ -290,6 +290,8 @@ def test_bench_pipeline_cli_offers_what_make_bench_passes(capsys) -> None:
     assert "--out" in out and "--quick" in out
     assert mod.main(["--parts", "nonsense"]) == 2
     assert "unknown" in capsys.readouterr().err
+    assert mod.main(["--emulated-iterations", "1"]) == 2
+    assert "warm-up" in capsys.readouterr().err
 
 
 @pytest.mark.slow

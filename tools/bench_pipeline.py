@@ -422,6 +422,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--p", type=int, nargs="+", default=None, help="emulated: pipeline sizes (default 4 8)")
     ap.add_argument("--emulated-m", type=int, nargs="+", default=None, help="emulated: microbatches (default 16 32)")
     ap.add_argument(
+        "--emulated-iterations",
+        type=int,
+        default=None,
+        help="emulated: iterations per schedule, the first one not counted (default 6)",
+    )
+    ap.add_argument(
         "--m", "--microbatches", dest="m", type=int, nargs="+", default=None, help="real: microbatches (default 4 8)"
     )
     ap.add_argument("--runs", type=int, default=None, help="real: alternated runs per schedule (default 10)")
@@ -454,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         print(f"bench_pipeline: error: --parts {sorted(bad)} unknown; use emulated and/or real", file=sys.stderr)
         return 2
+    if args.emulated_iterations is not None and args.emulated_iterations < 2:
+        print("bench_pipeline: error: --emulated-iterations must be >= 2 (the first is a warm-up)", file=sys.stderr)
+        return 2
     quick = args.quick
     ps = args.p or ([4] if quick else [4, 8])
     ems = args.emulated_m or ([16] if quick else [16, 32])
@@ -479,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:7.1f}s] {line}", flush=True)
 
     if "emulated" in parts:
-        report["emulated"] = run_emulated(ps, ems, 2 if quick else 3, log)
+        report["emulated"] = run_emulated(ps, ems, args.emulated_iterations or (2 if quick else 6), log)
     if "real" in parts:
         if model is None:
             log("(b) real compute skipped: tools/bench_torch_pipelining.py (the shared GPT settings) is not importable")
