@@ -40,14 +40,27 @@ def _train(rank: int, world_size: int, argv: list[str]) -> dict:
     return {"losses": list(summary.losses), "log": stream.getvalue()}
 
 
-@pytest.mark.parametrize(("flag", "name"), [("--enable-zero-bubble", "zb-auto"), ("--zero-bubble-v-schedule", "zb-v")])
-def test_replans_from_profile_and_keeps_losses(tmp_path, flag: str, name: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "name", "chunks"),
+    [
+        (["--enable-zero-bubble"], "zb-auto", 1),
+        (["--zero-bubble-v-schedule"], "zb-v", 2),
+        # a chunk count other than the schedule's default: the re-plan keeps the running plan's chunks
+        (
+            ["--pipeline-schedule", "interleaved-zb", "--num-layers-per-virtual-pipeline-stage", "1"],
+            "interleaved-zb",
+            3,
+        ),
+    ],
+)
+def test_replans_from_profile_and_keeps_losses(tmp_path, flags: list[str], name: str, chunks: int) -> None:
     from zb_pipeline.runtime.profiler import Profile, regenerate
     from zb_pipeline.schedule.plan_file import load_plan
 
-    reference = run_multiprocess(_train, 1, args=(ARGV,), timeout_s=240)[0]["losses"]
+    model = ["--num-layers", "6"] if chunks == 3 else []
+    reference = run_multiprocess(_train, 1, args=([*ARGV, *model],), timeout_s=240)[0]["losses"]
     save = str(tmp_path / "ckpt")
-    argv = [*ARGV, "--pipeline-model-parallel-size", "2", flag, *WINDOW, "--save", save]
+    argv = [*ARGV, *model, "--pipeline-model-parallel-size", "2", *flags, *WINDOW, "--save", save]
     results = run_multiprocess(_train, 2, args=(argv,), timeout_s=240)
     losses = results[0]["losses"]
     assert len(losses) == len(reference) == STEPS
@@ -60,9 +73,24 @@ def test_replans_from_profile_and_keeps_losses(tmp_path, flag: str, name: str) -
     # The saved profile plans offline exactly what the trainer switched to.
     prof_path = os.path.join(save, "zb_profile.json")
     profile = Profile.load(prof_path)
-    again = regenerate(profile, 4, name=name).schedule
+    again = regenerate(profile, 4, name=name, chunks=chunks).schedule
+    assert again.chunks == chunks
     from zb_pipeline.schedule.cli import main as zb_schedule
 
     out = tmp_path / "plan.json"
-    assert zb_schedule(["simulate", name, "-p", "2", "-m", "4", "--profile", prof_path, "--export", str(out)]) == 0
+    cmd = [
+        "simulate",
+        name,
+        "-p",
+        "2",
+        "-m",
+        "4",
+        "--chunks",
+        str(chunks),
+        "--profile",
+        prof_path,
+        "--export",
+        str(out),
+    ]
+    assert zb_schedule(cmd) == 0
     assert load_plan(out).ranks == again.ranks

@@ -633,7 +633,8 @@ class WindowReplanner:
         profile = self.profiler.gather(group=self.group)
         profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
         self.profile = profile
-        replan = regenerate(profile, self.executor.num_microbatches, name=self.name, mem_limit=limit)
+        current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
+        replan = regenerate(profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit)
         switch_plan(self.executor, replan.schedule)
         self.replan = replan
         rank0 = self.executor.rank == 0
