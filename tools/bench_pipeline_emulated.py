@@ -26,6 +26,7 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict
+from zb_pipeline.schedule.profile import placement_of
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.testing import run_multiprocess
 
@@ -48,17 +49,17 @@ def compute_span_ms(tracer: Tracer, iteration: int) -> float:
 def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> tuple[Schedule, StageCosts]:
     """Schedule ``name`` planned for the emulated costs (F, B, W per rank's share, T_comm ``comm_ms``), as the
     trainer plans the cost-dependent schedules from measured costs, with those costs."""
-    shape = registry.generate(name, p, m)  # the schedule's own chunks and placement
+    chunks = registry.get(name).default_chunks
     costs = StageCosts.build(
         num_ranks=p,
-        chunks=shape.chunks,
-        stage_to_rank=shape.stage_to_rank,
+        chunks=chunks,
+        stage_to_rank=placement_of(name, p, chunks),
         f=EMU_COSTS.f_ms,
         b=EMU_COSTS.b_ms,
         w=EMU_COSTS.w_ms,
         comm=comm_ms,
     )
-    return registry.generate(name, p, m, chunks=shape.chunks, costs=costs), costs
+    return registry.generate(name, p, m, chunks=chunks, costs=costs), costs
 
 
 def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
