@@ -8,7 +8,6 @@ import pytest
 
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import loop_placement, v_placement
 
 P, M = 4, 12
 # F = B = W (the default), and costs as measured on CPU (W below F, the last stage heavier), with T_comm.
@@ -16,9 +15,8 @@ VARIANTS = (dict(f=1.0, b=1.0, w=1.0), dict(f=[1.0, 1.0, 1.0, 1.3], b=[1.0, 1.1,
 
 
 def _plans(name: str) -> list:
-    spec = registry.get(name)
-    c = spec.default_chunks
-    place = v_placement(P, c) if spec.placement == "v" else loop_placement(P, c)
+    c = registry.get(name).default_chunks
+    place = registry.placement_of(name, P, c)
     out = []
     for kw in VARIANTS:
         per_rank = {k: v for k, v in kw.items() if k != "comm"}

@@ -26,7 +26,6 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict
-from zb_pipeline.schedule.profile import placement_of
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.testing import run_multiprocess
 
@@ -46,20 +45,25 @@ def compute_span_ms(tracer: Tracer, iteration: int) -> float:
     return (max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)) / 1e3
 
 
-def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> tuple[Schedule, StageCosts]:
-    """Schedule ``name`` planned for the emulated costs (F, B, W per rank's share, T_comm ``comm_ms``), as the
-    trainer plans the cost-dependent schedules from measured costs, with those costs."""
+def emulated_costs(name: str, p: int, comm_ms: float) -> StageCosts:
+    """The emulated costs (F, B, W per rank's share, T_comm ``comm_ms``) over schedule ``name``'s stages."""
     chunks = registry.get(name).default_chunks
-    costs = StageCosts.build(
+    return StageCosts.build(
         num_ranks=p,
         chunks=chunks,
-        stage_to_rank=placement_of(name, p, chunks),
+        stage_to_rank=registry.placement_of(name, p, chunks),
         f=EMU_COSTS.f_ms,
         b=EMU_COSTS.b_ms,
         w=EMU_COSTS.w_ms,
         comm=comm_ms,
     )
-    return registry.generate(name, p, m, chunks=chunks, costs=costs), costs
+
+
+def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> Schedule:
+    """Schedule ``name`` planned for the emulated costs, as the trainer plans the cost-dependent schedules from
+    measured costs."""
+    costs = emulated_costs(name, p, comm_ms)
+    return registry.generate(name, p, m, chunks=costs.num_stages // p, costs=costs)
 
 
 def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
@@ -73,7 +77,7 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
     hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
     out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
     for name, m in cases:
-        sched, _ = emulated_plan(name, world, m, latency)  # the latency is agreed: every rank makes the same plan
+        sched = emulated_plan(name, world, m, latency)  # the latency is agreed: every rank makes the same plan
         specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
         tracer = Tracer(rank)
         p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
@@ -162,7 +166,7 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
             span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
             whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
             sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
-            _, costs = emulated_plan(name, p, m, lat)
+            costs = emulated_costs(name, p, lat)  # the plan came from rank 0: no second search
             sim = simulate(sched, costs)
             lat_in = in_pipeline_latency_ms(res, key, sched.chunks)
             sim_in = simulate(sched, replace(costs, comm=lat_in)) if lat_in is not None else sim

@@ -35,6 +35,7 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
 from zb_pipeline.schedule.profile import (  # re-exported: the profile's home is zb_pipeline.schedule.profile
     PROFILE_VERSION,
+    STATISTICS,
     Profile,
     costs_for,
     load_profile,
@@ -153,13 +154,10 @@ def _median(values: Sequence[float]) -> float | None:
     return float(statistics.median(values)) if values else None
 
 
-STATISTICS = ("median", "mean")
-
-
 def _summarise(values: Sequence[float], statistic: str) -> float | None:
-    if not values:
-        return None
-    return float(statistics.median(values) if statistic == "median" else statistics.fmean(values))
+    if statistic == "median" or not values:
+        return _median(values)
+    return float(statistics.fmean(values))
 
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:

@@ -20,10 +20,14 @@ from typing import Any
 
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
+from zb_pipeline.schedule.ir import Kind, Schedule
+from zb_pipeline.schedule.registry import placement_of
 from zb_pipeline.schedule.simulate import simulate
 
 PROFILE_VERSION = 1
+# How a profile summarises each stage's samples: the median (the typical cost, to plan with) or the mean (to
+# predict an iteration's span, a sum of actions and gaps).
+STATISTICS = ("median", "mean")
 _MIN_COST_MS = 1e-6  # StageCosts needs costs > 0; an action too fast to time still costs something
 
 
@@ -55,8 +59,8 @@ class Profile:
     window: tuple[int, int] = (0, 0)
     memory_source: str = "none"  # "cuda" | "saved-tensors" | "none"
     device: str = "cpu"
-    overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (median gap; 0 = not measured)
-    statistic: str = "median"  # how each stage's samples were summarised: "median" (to plan) or "mean" (to predict)
+    overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (its gap; 0 = not measured)
+    statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
 
     @property
     def num_stages(self) -> int:
@@ -171,8 +175,8 @@ class Profile:
         for name in ("f", "b", "w", "bw", "mem_f", "mem_b", "mem_w"):
             if len(getattr(prof, name)) != n:
                 raise ValueError(f"profile field {name!r} has {len(getattr(prof, name))} entries, expected {n}")
-        if prof.statistic not in ("median", "mean"):
-            raise ValueError(f"profile statistic {prof.statistic!r} must be 'median' or 'mean'")
+        if prof.statistic not in STATISTICS:
+            raise ValueError(f"profile statistic {prof.statistic!r} must be one of {STATISTICS}")
         if not (math.isfinite(prof.overhead) and prof.overhead >= 0):
             raise ValueError(f"profile overhead {prof.overhead} must be finite and >= 0 (ms per compute action)")
         return prof
@@ -194,10 +198,6 @@ class Profile:
 
 def load_profile(path: str | os.PathLike[str]) -> Profile:
     return Profile.load(path)
-
-
-def placement_of(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
-    return v_placement(num_ranks, chunks) if registry.get(name).placement == "v" else loop_placement(num_ranks, chunks)
 
 
 def costs_for(profile: Profile, name: str, *, chunks: int | None = None) -> tuple[int, StageCosts]:

@@ -67,6 +67,11 @@ def _load_builtins() -> None:
         importlib.import_module(f"zb_pipeline.schedule.generators.{mod}")
 
 
+def placement_of(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
+    """The stage-to-rank map schedule ``name`` uses with ``chunks`` per rank (its V or loop placement)."""
+    return v_placement(num_ranks, chunks) if get(name).placement == "v" else loop_placement(num_ranks, chunks)
+
+
 def available() -> list[str]:
     """Names of every registered schedule, in registration order."""
     _load_builtins()
@@ -107,8 +112,7 @@ def generate(
         raise ValueError(f"chunks={c} must be >= 1")
     if costs is None:
         # F = B = W = 1 and mem_f = 1 for a rank's whole share (each of its chunks 1/c), as the CLI reads them.
-        placement = v_placement(num_ranks, c) if spec.placement == "v" else loop_placement(num_ranks, c)
-        costs = StageCosts.build(num_ranks=num_ranks, chunks=c, stage_to_rank=placement)
+        costs = StageCosts.build(num_ranks=num_ranks, chunks=c, stage_to_rank=placement_of(name, num_ranks, c))
     if costs.num_stages != num_ranks * c:
         raise ValueError(
             f"costs are given for {costs.num_stages} virtual stages, but {name!r} with p={num_ranks} and "

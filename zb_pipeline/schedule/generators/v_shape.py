@@ -495,33 +495,22 @@ def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_lim
     return best[1]
 
 
-@register(
-    "zb-v", uses_costs=True, chunks=(2,), placement="v", description="ZB-V: V placement, split B/W, 1F1B memory (p x M)"
-)
+_V_SPEC = dict(chunks=(2,), placement="v", uses_costs=True)  # what the three V schedules register alike
+
+
+@register("zb-v", **_V_SPEC, description="ZB-V: V placement, split B/W, 1F1B memory (p x M)")
 def zb_v(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """ZB-V: peak memory at most p x the rank's whole-share mem_f; small bubble (<= 1.5p chunk-F) once m >= 2p."""
     return plan_v("zb-v", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
-@register(
-    "v-half",
-    uses_costs=True,
-    chunks=(2,),
-    placement="v",
-    description="V-Half: V placement, about half of 1F1B's memory",
-)
+@register("v-half", **_V_SPEC, description="V-Half: V placement, about half of 1F1B's memory")
 def v_half(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """V-Half: peak memory at most (p + 1) / 2 x the rank's whole-share mem_f."""
     return plan_v("v-half", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
-@register(
-    "v-min",
-    uses_costs=True,
-    chunks=(2,),
-    placement="v",
-    description="V-Min: V placement, about a third of 1F1B's memory",
-)
+@register("v-min", **_V_SPEC, description="V-Min: V placement, about a third of 1F1B's memory")
 def v_min(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """V-Min: peak memory at most (ceil(2p / 3) + 1) / 2 x the rank's whole-share mem_f."""
     return plan_v("v-min", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
