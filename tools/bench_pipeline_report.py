@@ -157,7 +157,7 @@ def to_markdown(report: dict[str, Any]) -> str:
             "time only) recorded over the timed runs themselves: per-stage means of T_F, T_B, T_W (T_BW for "
             "fused schedules), T_comm = measured P2P latency, plus the runtime's overhead per compute action (the "
             "mean gap between one action's end and the next one's start on a rank); means, because a span is a sum "
-            "of actions and gaps (the gap's median is 0.1-0.3 ms, its mean 2-3 times that: posting a transfer "
+            "of actions and gaps (the gap has a long tail: posting a transfer "
             "sometimes blocks for milliseconds). Target: within 10% of the "
             "measured span. The next column feeds the simulator the profile taken at the start of the launch from a "
             "split-backward schedule of the same layout (zb-h1 for one chunk, interleaved-zb for two looped chunks, "
