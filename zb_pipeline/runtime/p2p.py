@@ -211,13 +211,54 @@ class PipelineP2P:
             self._preposted.update(new)
 
     def _post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
-        self._reap_sends()
+        actions = batch.actions
         if self._preposted:
-            rest = tuple(a for a in batch.actions if a not in self._preposted)
-            self._preposted.difference_update(batch.actions)
+            rest = tuple(a for a in actions if a not in self._preposted)
+            self._preposted.difference_update(actions)
             if not rest:
                 return
-            batch = CommBatch(rest)
+            if len(rest) != len(actions):
+                batch, actions = CommBatch(rest), rest
+        if not self._batched and not self.check:
+            self._post_gloo(batch, payload)
+            if self.tracer is not None:
+                self.tracer.comm_posted(batch)
+        else:
+            self._post_grouped(batch, payload)
+        self._reap_sends()
+
+    def _post_gloo(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
+        """gloo matches each op on its own, in order per (peer, direction): the sends go out first -- a peer may be
+        waiting for them -- and the receives after them, each in the plan's order."""
+        group, tag, pp_ranks = self.group, _DATA_TAG, self.pp_ranks
+        receives = []
+        for a in batch.actions:
+            kind = a.kind
+            if kind is _SEND_F or kind is _SEND_B or kind is _SEND_PV:
+                t = self._send_tensor(a, payload)
+                self._sends.append((dist.isend(t, pp_ranks[a.peer], group=group, tag=tag), t, a))
+            else:
+                receives.append(a)
+        for a in receives:
+            spec = self.spec_of(a)
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            work = dist.irecv(buf, pp_ranks[a.peer], group=group, tag=tag)
+            self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
+
+    def _send_tensor(self, a: Action, payload: Callable[[Action], torch.Tensor]) -> torch.Tensor:
+        """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous."""
+        t = payload(a)
+        spec = self.spec_of(a)
+        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            raise PipelineCommError(
+                f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
+                f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
+            )
+        t = t.detach()
+        return t if t.is_contiguous() else t.contiguous()
+
+    def _post_grouped(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
+        """NCCL (one ``batch_isend_irecv`` per batch) and gloo's checking mode: the batch's ops in plan order."""
         ops: list[tuple[bool, torch.Tensor, int, Action]] = []
         new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []
         check = self.check
@@ -229,17 +270,7 @@ class PipelineP2P:
                 self._check_planned(a, is_send)
             peer = self.pp_ranks[a.peer]
             if is_send:
-                t = payload(a)
-                spec = self.spec_of(a)
-                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                    raise PipelineCommError(
-                        f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
-                        f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
-                    )
-                t = t.detach()
-                if not t.is_contiguous():
-                    t = t.contiguous()
-                ops.append((True, t, peer, a))
+                ops.append((True, self._send_tensor(a, payload), peer, a))
                 if check:
                     ack = torch.empty(3, dtype=torch.int64)
                     acks_in.append((dist.irecv(ack, peer, group=self.group, tag=_ACK_TAG), ack, a))
