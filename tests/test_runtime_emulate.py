@@ -17,9 +17,11 @@ from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.trace import Tracer, executed_actions, merge_traces
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.critical_path import critical_path
 from zb_pipeline.schedule.lowering import CommBatch, lower
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
+from zb_pipeline.schedule.trace_timeline import measured_iteration
 from zb_pipeline.testing import run_multiprocess
 
 COSTS = "20,20,10,5"  # F, B, W, OPT in ms for a rank's whole share (the measurement issue's setting)
@@ -57,6 +59,7 @@ def _emulated_rank(rank: int, world_size: int, name: str, m: int, costs_text: st
         "span_ms": span_ms,
         "iteration_ms": iteration_s[-1] * 1e3,
         "executed": executed_actions(doc, rank, iteration=ITERATIONS - 1),
+        "events": tracer.chrome_events(),
     }
 
 
@@ -81,6 +84,16 @@ def test_emulated_p4_m16_runs_the_plan_and_reports_time(name: str) -> None:
     sim = simulate(sched, StageCosts.build(num_ranks=p, f=c.f_ms, b=c.b_ms, w=c.w_ms))
     span = max(r["span_ms"] for r in results)
     iteration = max(r["iteration_ms"] for r in results)
+    # The measured critical path accounts for the whole span, link by link (no timing asserted).
+    doc = merge_traces([r["events"] for r in results])
+    path = critical_path(doc, sched, ITERATIONS - 1)
+    assert path.span_ms == pytest.approx(measured_iteration(doc, sched, ITERATIONS - 1).span_ms, abs=1e-6)
+    parts = path.start_ms + path.compute_ms + path.local_gap_ms + path.hop_ms
+    assert parts == pytest.approx(path.span_ms, abs=0.01)
+    assert path.hops >= 1 and path.posting_ms is not None
+    for before, step in zip(path.steps, path.steps[1:]):
+        assert (step.link == "hop") == (step.rank != before.rank), (before, step)
+    print(f"\n[emulated] {name} {path.summary()}")
     print(
         f"\n[emulated] {name} p={p} m={m} F,B,W,OPT={COSTS} ms: measured span {span:.1f} ms "
         f"(simulated makespan {sim.makespan:.1f} ms, ratio {span / sim.makespan:.3f}); "

@@ -20,9 +20,10 @@ from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.profiler import measure_p2p_latency
-from zb_pipeline.runtime.trace import Tracer
+from zb_pipeline.runtime.trace import Tracer, merge_traces
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.critical_path import critical_path
 from zb_pipeline.schedule.ir import Schedule
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict
@@ -99,8 +100,15 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
                 got_sends, got_waits = _transfer_times(tracer.events, tracer._t0, it)
                 sends += got_sends
                 waits += got_waits
+            last = list(tracer.events)  # the last iteration's trace: its critical path is walked in the parent
             tracer.events.clear()
-        out["cases"][f"{name}/{m}"] = {"spans": spans, "iterations": iters, "sends": sends, "waits": waits}
+        out["cases"][f"{name}/{m}"] = {
+            "spans": spans,
+            "iterations": iters,
+            "sends": sends,
+            "waits": waits,
+            "trace": last,
+        }
         if rank == 0:
             out["cases"][f"{name}/{m}"]["plan"] = plan_to_dict(sched)
     dist.barrier()
@@ -171,6 +179,7 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
             lat_in = in_pipeline_latency_ms(res, key, sched.chunks)
             sim_in = simulate(sched, replace(costs, comm=lat_in)) if lat_in is not None else sim
             hops = simulate(sched, replace(costs, comm=costs.comm + 1.0)).makespan - sim.makespan  # per ms of T_comm
+            path = critical_path(merge_traces([r["cases"][key]["trace"] for r in res]), sched, iterations - 1)
             rows.append(
                 {
                     "p": p,
@@ -182,6 +191,15 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
                     "in_pipeline_latency_ms": lat_in,
                     "simulated_in_pipeline_ms": sim_in.makespan,
                     "critical_hops": hops,
+                    "path": {  # the measured critical path of the last iteration (``critical_path``)
+                        "span_ms": path.span_ms,
+                        "start_ms": path.start_ms,
+                        "compute_ms": path.compute_ms,
+                        "local_gap_ms": path.local_gap_ms,
+                        "hops": path.hops,
+                        "hop_ms": path.hop_ms,
+                        "posting_ms": path.posting_ms,
+                    },
                     "error_in_pipeline": span / sim_in.makespan - 1,
                     "iteration_ms": whole,
                     "simulated_bubble": sim.bubble_rate,

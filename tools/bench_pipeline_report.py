@@ -29,6 +29,21 @@ def _f_b_w_ratio(profile: dict) -> str:
     return f"F : B : W = 1 : {b / f:.2f} : {w / f:.2f} (sums over stages: {f:.1f} / {b:.1f} / {w:.1f} ms)"
 
 
+def _path_cell(path: dict | None) -> str:
+    """``hops, mean hop = posting + transit; local gaps`` of a measured critical path (``-`` when not recorded)."""
+    if not path:
+        return "-"
+    n = path["hops"]
+    if not n:
+        return f"0 hops; {path['local_gap_ms']:.1f}"
+    hop = path["hop_ms"] / n
+    split = ""
+    if path.get("posting_ms") is not None:
+        post = path["posting_ms"] / n
+        split = f" = {post:.2f} + {hop - post:.2f}"
+    return f"{n}, {hop:.2f}{split}; {path['local_gap_ms']:.1f}"
+
+
 def to_markdown(report: dict[str, Any]) -> str:
     env, st = report["environment"], report["settings"]
     lines = [
@@ -63,11 +78,16 @@ def to_markdown(report: dict[str, Any]) -> str:
             "running pipeline -- the sender oversleeping before it posts, the transfer, the receiver's wake-up on "
             "the busy host; its mean (a chain of hops adds up their mean, not their median) and the simulation with "
             "it are shown beside. Hops: how many cross-rank hops the simulated critical path holds (the makespan's "
-            "growth per ms of T_comm), i.e. how much a per-hop error weighs.",
+            "growth per ms of T_comm), i.e. how much a per-hop error weighs. Measured path: the critical path of the "
+            "last iteration walked back through the trace (`zb_pipeline.schedule.critical_path`; what `zb-schedule "
+            "show --trace` prints): its hops and their mean length split into *posting* (the producer's end to its "
+            "send posted, `isend` returned) and *transit* (posted to the consumer's start: transfer, wake-up), and "
+            "the sum of the gaps between consecutive actions of a rank on the path.",
             "",
             "| p | m | schedule | measured span ms | simulated ms | error | hops | in-pipeline T_comm ms (mean): "
-            "simulated (error) | speed-up vs 1F1B (measured / simulated) | iteration incl. OPT ms |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "simulated (error) | measured path: hops, mean hop ms = posting + transit; local gaps ms "
+            "| speed-up vs 1F1B (measured / simulated) | iteration incl. OPT ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in emu["rows"]:
             sp = "-"
@@ -78,7 +98,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"| {r['p']} | {r['m']} | {r['schedule']} | {r['measured_span_ms']:.1f} | {r['simulated_ms']:.1f} "
                 f"| {r['error']:+.1%} | {r.get('critical_hops', 0):.0f} "
                 f"| {r['in_pipeline_latency_ms'] or 0:.2f}: {r['simulated_in_pipeline_ms']:.1f} "
-                f"({r['error_in_pipeline']:+.1%}) | {sp} | {r['iteration_ms']:.1f} |"
+                f"({r['error_in_pipeline']:+.1%}) | {_path_cell(r.get('path'))} | {sp} | {r['iteration_ms']:.1f} |"
             )
         errs = [abs(r["error"]) for r in emu["rows"]]
         pts = [

@@ -2,7 +2,8 @@
 
     zb-schedule list
     zb-schedule show NAME -p 4 -m 8 [--chunks 2] [--png out.png | --svg out.svg] [cost flags]
-    zb-schedule show --trace trace.json --png out.png [--iteration N]   (a --pipeline-trace above its plan)
+    zb-schedule show --trace trace.json --png out.png [--iteration N]   (a --pipeline-trace above its plan, and its
+                                                                       critical path: compute, gaps, hops)
     zb-schedule simulate NAME -p 4 -m 8 [--chunks V] --cost-f F --cost-b B --cost-w W --cost-comm C
                          [--mem-f X --mem-b Y --mem-w Z] [--mem-limit L] [--json] [--export plan.json]
     zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
@@ -241,7 +242,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _show_trace(args: argparse.Namespace) -> int:
     """``show --trace``: one iteration of a ``--pipeline-trace`` above its plan simulated with the measured costs."""
-    from zb_pipeline.schedule.trace_timeline import plot_trace_vs_plan
+    from zb_pipeline.schedule.critical_path import critical_path
+    from zb_pipeline.schedule.trace_timeline import plan_of, plot_trace_vs_plan
 
     paths = [x for x in (args.png, args.svg) if x]
     if not paths:
@@ -265,6 +267,8 @@ def _show_trace(args: argparse.Namespace) -> int:
         f"{measured.bubble_rate:.1%}); the plan under the measured costs {planned.makespan:.2f} ms "
         f"(bubble rate {planned.bubble_rate:.1%})"
     )
+    plan = schedule if schedule is not None else plan_of(doc)
+    print(critical_path(doc, plan, measured.iteration).summary())
     return 0
 
 

@@ -1,0 +1,165 @@
+"""Where a measured iteration's time went: its critical path, walked back through a ``--pipeline-trace``.
+
+The simulator's makespan is a chain of compute actions joined by local successions and cross-rank hops (each
+costing ``T_comm``).  A measured span longer than it is the same kind of chain with something added; this module
+finds the measured chain and splits it, so the difference can be attributed instead of guessed:
+
+- start at the compute action that ended last; step back to whatever released it -- the producer of its input if
+  the action had to *wait* for that input (a receive wait longer than ``blocked_ms``; a *hop*), else the previous
+  action on its rank (a *local gap*: the runtime's time between two actions: posting transfers, bookkeeping);
+- every hop splits at the moment the producer's send was posted (the trace's comm event, stamped once ``isend``
+  returned): *posting* = producer end -> send posted (the sender's runtime path and the send call itself),
+  *transit* = send posted -> consumer start (the transfer, the receiver's wake-up and its bookkeeping).
+
+So ``span = start + compute + local gaps + hops`` holds exactly (up to the trace's microsecond rounding), and
+``hops`` is the measured counterpart of the simulator's ``hops x T_comm``.  Times are the trace's own (each rank's
+clock zeroed by a barrier, ``Tracer.align``), so a hop's two halves carry the ranks' alignment error (the barrier's
+exit skew, tens of microseconds on one host); their sum per hop does too, the path's total does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.trace_timeline import measured_iteration
+
+BLOCKED_MS = 0.2  # a receive wait shorter than this did not hold its consumer up (the data was there)
+
+
+@dataclass(frozen=True)
+class PathStep:
+    """One compute action on the critical path and the link that released it (``"start"`` for the first)."""
+
+    rank: int
+    action: Action
+    start_ms: float
+    end_ms: float
+    link: str  # "start", "local" (previous action on the rank), "hop" (a waited-for transfer), "local-dep"
+    link_ms: float  # the link's length: gap before this action (local) or producer end -> this start (hop)
+    posting_ms: float | None = None  # hops: producer end -> its send posted (None if the trace has no comm events)
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """The measured critical path of one iteration, first action first (milliseconds)."""
+
+    iteration: int
+    steps: tuple[PathStep, ...]
+
+    @property
+    def span_ms(self) -> float:
+        return self.steps[-1].end_ms if self.steps else 0.0
+
+    @property
+    def start_ms(self) -> float:
+        return self.steps[0].start_ms if self.steps else 0.0
+
+    @property
+    def compute_ms(self) -> float:
+        return sum(s.end_ms - s.start_ms for s in self.steps)
+
+    def _links(self, kind: str) -> list[PathStep]:
+        return [s for s in self.steps if s.link == kind]
+
+    @property
+    def local_gap_ms(self) -> float:
+        return sum(s.link_ms for s in self._links("local") + self._links("local-dep"))
+
+    @property
+    def hops(self) -> int:
+        return len(self._links("hop"))
+
+    @property
+    def hop_ms(self) -> float:
+        return sum(s.link_ms for s in self._links("hop"))
+
+    @property
+    def posting_ms(self) -> float | None:
+        """Sum over hops of producer end -> send posted; ``None`` when some hop's send is not in the trace."""
+        parts = [s.posting_ms for s in self._links("hop")]
+        return None if any(p is None for p in parts) else sum(parts)
+
+    def summary(self) -> str:
+        n = max(self.hops, 1)
+        text = (
+            f"critical path of iteration {self.iteration}: span {self.span_ms:.2f} ms = start {self.start_ms:.2f} + "
+            f"compute {self.compute_ms:.2f} + local gaps {self.local_gap_ms:.2f} + {self.hops} hops "
+            f"{self.hop_ms:.2f} (mean {self.hop_ms / n:.3f} ms"
+        )
+        posting = self.posting_ms
+        if posting is not None and self.hops:
+            text += f": posting {posting / n:.3f} + transit {(self.hop_ms - posting) / n:.3f}"
+        return text + ")"
+
+
+def _producer(a: Action, num_stages: int, ran: Mapping[tuple[int, Kind, int], Any]) -> tuple[Any, str | None]:
+    """(key of the action whose output ``a`` consumes, the receive kind that carries it across ranks)."""
+    s, mb = a.stage, a.microbatch
+    if a.kind is Kind.F:
+        return ((s - 1, Kind.F, mb), "RECV_F") if s > 0 else (None, None)
+    if a.kind is Kind.W:
+        return (s, Kind.B, mb), None
+    if s == num_stages - 1:  # B / BW of the last stage: its own forward's loss
+        return (s, Kind.F, mb), None
+    b = (s + 1, Kind.B, mb)
+    return (b if b in ran else (s + 1, Kind.BW, mb)), "RECV_B"
+
+
+def critical_path(
+    doc: Mapping[str, Any], schedule: Schedule, iteration: int, *, blocked_ms: float = BLOCKED_MS
+) -> CriticalPath:
+    """The critical path of ``iteration`` in trace ``doc`` (a merged ``--pipeline-trace``) run with ``schedule``."""
+    meas = measured_iteration(doc, schedule, iteration)
+    ran: dict[tuple[int, Kind, int], tuple[int, Any]] = {}
+    before: dict[tuple[int, Kind, int], Any] = {}
+    for r, spans in enumerate(meas.compute):
+        prev = None
+        for sp in spans:
+            key = (sp.action.stage, sp.action.kind, sp.action.microbatch)
+            ran[key] = (r, sp)
+            before[key] = prev
+            prev = sp
+    # Receive waits and send postings of the iteration, on the same time axis as measured_iteration's spans.
+    events = [ev for ev in doc.get("traceEvents", ()) if ev.get("ph") == "X"]
+    mine = [ev for ev in events if ev.get("args", {}).get("iteration") == iteration]
+    t0 = min(ev["ts"] for ev in mine if ev.get("cat") in ("F", "B", "W", "BW"))
+    waited: dict[tuple[str, int, int], float] = {}
+    posted: dict[tuple[str, int, int], float] = {}
+    for ev in mine:
+        a, cat = ev["args"], ev.get("cat")
+        if cat == "wait" and a.get("kind") in ("RECV_F", "RECV_B"):
+            key = (a["kind"], a["stage"], a["microbatch"])
+            waited[key] = max(waited.get(key, 0.0), ev.get("dur", 0.0) / 1e3)
+        elif cat in ("SEND_F", "SEND_B"):
+            posted[(cat, a["stage"], a["microbatch"])] = (ev["ts"] - t0) / 1e3
+    if not ran:
+        return CriticalPath(iteration, ())
+    key = max(ran, key=lambda k: ran[k][1].end)
+    steps: list[PathStep] = []
+    while True:
+        r, sp = ran[key]
+        a = sp.action
+        dep, recv = _producer(a, schedule.num_stages, ran)
+        prev = before[key]
+        link, link_ms, posting, nxt = "start", 0.0, None, None
+        if dep is not None and dep in ran and recv is not None and ran[dep][0] != r:
+            if waited.get((recv, a.stage, a.microbatch), 0.0) > blocked_ms or prev is None:
+                pr, psp = ran[dep]
+                link, link_ms, nxt = "hop", sp.start - psp.end, dep
+                send = ("SEND_F", dep[0], dep[2]) if recv == "RECV_F" else ("SEND_B", dep[0], dep[2])
+                if send in posted:
+                    posting = posted[send] - psp.end
+        elif dep is not None and dep in ran and ran[dep][0] == r and (prev is None or ran[dep][1].end > prev.end):
+            link, link_ms, nxt = "local-dep", sp.start - ran[dep][1].end, dep
+        if link == "start" and prev is not None:
+            link, link_ms = "local", sp.start - prev.end
+            nxt = (prev.action.stage, prev.action.kind, prev.action.microbatch)
+        steps.append(PathStep(r, a, sp.start, sp.end, link, link_ms, posting))
+        if nxt is None:
+            break
+        key = nxt
+    steps.reverse()
+    return CriticalPath(iteration, tuple(steps))
