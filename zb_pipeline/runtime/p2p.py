@@ -211,14 +211,13 @@ class PipelineP2P:
             self._preposted.update(new)
 
     def _post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
-        actions = batch.actions
         if self._preposted:
-            rest = tuple(a for a in actions if a not in self._preposted)
-            self._preposted.difference_update(actions)
+            rest = tuple(a for a in batch.actions if a not in self._preposted)
+            self._preposted.difference_update(batch.actions)
             if not rest:
                 return
-            if len(rest) != len(actions):
-                batch, actions = CommBatch(rest), rest
+            if len(rest) != len(batch.actions):
+                batch = CommBatch(rest)
         if not self._batched and not self.check:
             self._post_gloo(batch, payload)
             if self.tracer is not None:
@@ -240,10 +239,14 @@ class PipelineP2P:
             else:
                 receives.append(a)
         for a in receives:
-            spec = self.spec_of(a)
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+            buf = self._recv_buffer(a)
             work = dist.irecv(buf, pp_ranks[a.peer], group=group, tag=tag)
             self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
+
+    def _recv_buffer(self, a: Action) -> torch.Tensor:
+        """A fresh buffer for receive ``a`` (its boundary spec)."""
+        spec = self.spec_of(a)
+        return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
 
     def _send_tensor(self, a: Action, payload: Callable[[Action], torch.Tensor]) -> torch.Tensor:
         """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous."""
@@ -275,9 +278,7 @@ class PipelineP2P:
                     ack = torch.empty(3, dtype=torch.int64)
                     acks_in.append((dist.irecv(ack, peer, group=self.group, tag=_ACK_TAG), ack, a))
             else:
-                spec = self.spec_of(a)
-                buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-                ops.append((False, buf, peer, a))
+                ops.append((False, self._recv_buffer(a), peer, a))
                 if check:
                     ident = torch.tensor(transfer_identity(a), dtype=torch.int64)
                     self._acks.append((dist.isend(ident, peer, group=self.group, tag=_ACK_TAG), ident, a))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.lowering import SLOT_F, action_deps
 from zb_pipeline.schedule.trace_timeline import measured_iteration
 
 BLOCKED_MS = 0.2  # a receive wait shorter than this did not hold its consumer up (the data was there)
@@ -95,17 +96,17 @@ class CriticalPath:
         return text + ")"
 
 
-def _producer(a: Action, num_stages: int, ran: Mapping[tuple[int, Kind, int], Any]) -> tuple[Any, str | None]:
-    """(key of the action whose output ``a`` consumes, the receive kind that carries it across ranks)."""
-    s, mb = a.stage, a.microbatch
-    if a.kind is Kind.F:
-        return ((s - 1, Kind.F, mb), "RECV_F") if s > 0 else (None, None)
-    if a.kind is Kind.W:
-        return (s, Kind.B, mb), None
-    if s == num_stages - 1:  # B / BW of the last stage: its own forward's loss
-        return (s, Kind.F, mb), None
-    b = (s + 1, Kind.B, mb)
-    return (b if b in ran else (s + 1, Kind.BW, mb)), "RECV_B"
+def _producer(a: Action, num_stages: int, m: int, ran: Mapping[tuple[int, Kind, int], Any]) -> Any:
+    """Key of the action whose output ``a`` consumes (``None`` for stage 0's F): of ``a``'s dependencies
+    (``lowering.action_deps``) the one on another stage if any -- the input -- else its own stage's."""
+    deps = action_deps(a.kind, a.stage, a.microbatch, num_stages, m)
+    if not deps:
+        return None
+    stage_mb, slot = divmod(next((k for k in deps if k // (3 * m) != a.stage), deps[-1]), 3)
+    s, mb = divmod(stage_mb, m)
+    if slot == SLOT_F:
+        return (s, Kind.F, mb)
+    return (s, Kind.B, mb) if (s, Kind.B, mb) in ran else (s, Kind.BW, mb)
 
 
 def critical_path(
@@ -123,18 +124,17 @@ def critical_path(
             before[key] = prev
             prev = sp
     # Receive waits and send postings of the iteration, on the same time axis as measured_iteration's spans.
-    events = [ev for ev in doc.get("traceEvents", ()) if ev.get("ph") == "X"]
-    mine = [ev for ev in events if ev.get("args", {}).get("iteration") == iteration]
-    t0 = min(ev["ts"] for ev in mine if ev.get("cat") in ("F", "B", "W", "BW"))
     waited: dict[tuple[str, int, int], float] = {}
     posted: dict[tuple[str, int, int], float] = {}
-    for ev in mine:
-        a, cat = ev["args"], ev.get("cat")
+    for ev in doc.get("traceEvents", ()):
+        a, cat = ev.get("args", {}), ev.get("cat")
+        if ev.get("ph") != "X" or a.get("iteration") != iteration:
+            continue
         if cat == "wait" and a.get("kind") in ("RECV_F", "RECV_B"):
             key = (a["kind"], a["stage"], a["microbatch"])
             waited[key] = max(waited.get(key, 0.0), ev.get("dur", 0.0) / 1e3)
         elif cat in ("SEND_F", "SEND_B"):
-            posted[(cat, a["stage"], a["microbatch"])] = (ev["ts"] - t0) / 1e3
+            posted[(cat, a["stage"], a["microbatch"])] = (ev["ts"] - meas.t0_us) / 1e3
     if not ran:
         return CriticalPath(iteration, ())
     key = max(ran, key=lambda k: ran[k][1].end)
@@ -142,12 +142,13 @@ def critical_path(
     while True:
         r, sp = ran[key]
         a = sp.action
-        dep, recv = _producer(a, schedule.num_stages, ran)
+        dep = _producer(a, schedule.num_stages, schedule.num_microbatches, ran)
         prev = before[key]
         link, link_ms, posting, nxt = "start", 0.0, None, None
-        if dep is not None and dep in ran and recv is not None and ran[dep][0] != r:
+        if dep is not None and dep in ran and ran[dep][0] != r:
+            recv = "RECV_F" if a.kind is Kind.F else "RECV_B"
             if waited.get((recv, a.stage, a.microbatch), 0.0) > blocked_ms or prev is None:
-                pr, psp = ran[dep]
+                psp = ran[dep][1]
                 link, link_ms, nxt = "hop", sp.start - psp.end, dep
                 send = ("SEND_F", dep[0], dep[2]) if recv == "RECV_F" else ("SEND_B", dep[0], dep[2])
                 if send in posted:

@@ -51,6 +51,7 @@ class MeasuredIteration:
     iteration: int
     compute: tuple[tuple[Span, ...], ...]
     waits: tuple[tuple[Span, ...], ...]
+    t0_us: float = 0.0  # the trace timestamp the spans count from (the iteration's first compute start)
 
     @property
     def span_ms(self) -> float:
@@ -111,6 +112,7 @@ def measured_iteration(doc: Mapping[str, Any], schedule: Schedule, iteration: in
         iteration,
         tuple(tuple(sorted(c, key=lambda s: s.start)) for c in compute),
         tuple(tuple(w) for w in waits),
+        t0,
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.simulate import simulate
 
 _EPS = 1e-9
 
@@ -31,51 +32,15 @@ def _peak(order: list[Action] | tuple[Action, ...], costs: StageCosts) -> float:
     return peak
 
 
-def _spans(ranks: list[tuple[Action, ...]], num_stages: int, costs: StageCosts) -> tuple[float, float] | None:
-    """(makespan, sum of rank spans) of split F/B/W orders timed as soon as possible, ``None`` on a deadlock.
-
-    The simulator's timing rules (``simulate.py``) without its timeline objects: this runs thousands of times.
-    """
-    p = len(ranks)
-    dur = {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}
-    done: dict[tuple[int, Kind, int], tuple[float, int]] = {}  # (stage, kind, mb) -> (end, rank)
-    pos, clock, first = [0] * p, [0.0] * p, [0.0] * p
-    waiting: dict[tuple[int, Kind, int], list[int]] = {}
-    ready = list(range(p))
-    comm = costs.comm
-    while ready:
-        r = ready.pop()
-        acts, i, t = ranks[r], pos[r], clock[r]
-        while i < len(acts):
-            a = acts[i]
-            s, k, mb = a.stage, a.kind, a.microbatch
-            if k is Kind.F:
-                deps = ((s - 1, Kind.F, mb),) if s else ()
-            elif k is Kind.B:
-                deps = ((s, Kind.F, mb), (s + 1, Kind.B, mb)) if s + 1 < num_stages else ((s, Kind.F, mb),)
-            else:
-                deps = ((s, Kind.B, mb),)
-            start, blocked = t, None
-            for dkey in deps:
-                got = done.get(dkey)
-                if got is None:
-                    blocked = dkey
-                    break
-                start = max(start, got[0] + (comm if got[1] != r else 0.0))
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(r)
-                break
-            if i == 0:
-                first[r] = start
-            t = start + dur[k][s]
-            done[(s, k, mb)] = (t, r)
-            ready.extend(waiting.pop((s, k, mb), ()))
-            i += 1
-        pos[r], clock[r] = i, t
-    if any(pos[r] < len(ranks[r]) for r in range(p)):
+def _spans(sched: Schedule, ranks: list[tuple[Action, ...]], costs: StageCosts) -> tuple[float, float] | None:
+    """(makespan, sum of rank spans) of ``sched`` with its per-rank orders replaced by ``ranks``; ``None`` if
+    that order can never finish (the simulator's own timing: as fast as a stripped copy of it, measured)."""
+    trial = Schedule(sched.name, sched.num_ranks, sched.num_stages, sched.num_microbatches, sched.stage_to_rank, ranks)
+    try:
+        res = simulate(trial, costs)
+    except ValueError:  # moves only reorder a rank's own actions: the only failure left is a deadlock
         return None
-    spans = [clock[r] - first[r] if ranks[r] else 0.0 for r in range(p)]
-    return max(spans), sum(spans)
+    return res.makespan, sum(res.rank_span)
 
 
 def polish_orders(
@@ -89,8 +54,7 @@ def polish_orders(
     if any(a.kind not in (Kind.F, Kind.B, Kind.W) for acts in sched.ranks for a in acts):
         return sched
     ranks = [tuple(acts) for acts in sched.ranks]
-    S = sched.num_stages
-    best = _spans(ranks, S, costs)
+    best = _spans(sched, ranks, costs)
     if best is None or any(_peak(acts, costs) > cap + _EPS for acts, cap in zip(ranks, caps)):
         raise ValueError(f"polish_orders: the input plan {sched.name!r} does not finish within its caps")
     evals, improved = 0, False
@@ -111,7 +75,7 @@ def polish_orders(
                         continue
                     trial = ranks[:r] + [tuple(cand)] + ranks[r + 1 :]
                     evals += 1
-                    sc = _spans(trial, S, costs)
+                    sc = _spans(sched, trial, costs)
                     if sc is not None and (
                         sc[0] < best[0] - _EPS or (sc[0] < best[0] + _EPS and sc[1] < best[1] - _EPS)
                     ):
@@ -120,4 +84,4 @@ def polish_orders(
                 i += 1
     if not improved:
         return sched
-    return Schedule(sched.name, sched.num_ranks, S, sched.num_microbatches, sched.stage_to_rank, ranks)
+    return Schedule(sched.name, sched.num_ranks, sched.num_stages, sched.num_microbatches, sched.stage_to_rank, ranks)
