@@ -252,12 +252,16 @@ class PipelineP2P:
         """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous."""
         t = payload(a)
         spec = self.spec_of(a)
-        if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+        # As few torch calls as possible: this runs between the producer's end and the send, often cache-cold
+        # (a rank that slept in a bubble); a torch.Size compares equal to a tuple, and only a tensor in the
+        # autograd graph needs detaching (so the P2P layer does not hold the graph while the send is in flight).
+        if t.shape != spec.shape or t.dtype != spec.dtype:
             raise PipelineCommError(
                 f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
                 f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
             )
-        t = t.detach()
+        if t.requires_grad:
+            t = t.detach()
         return t if t.is_contiguous() else t.contiguous()
 
     def _post_grouped(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:

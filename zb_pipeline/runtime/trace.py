@@ -29,18 +29,46 @@ from zb_pipeline.schedule.ir import Action
 from zb_pipeline.schedule.lowering import CommBatch
 
 COMPUTE_TID, COMM_TID = 0, 1
+_COMPUTE, _POSTED, _WAITED, _MARK = range(4)  # kinds of recorded event
+
+
+def _args(a: Action, iteration: int) -> dict[str, Any]:
+    return {
+        "action": str(a),
+        "kind": a.kind.value,
+        "stage": a.stage,
+        "microbatch": a.microbatch,
+        "iteration": iteration,
+    }
 
 
 class Tracer:
-    """Collects one rank's events (see the module docstring)."""
+    """Collects one rank's events (see the module docstring).
+
+    Recording is on the critical path (between a compute action's end and the posting of its send, between a
+    receive's arrival and its consumer's start), so it only appends a tuple; the Chrome dicts are built when
+    ``events`` is first read after it.
+    """
 
     def __init__(self, rank: int, *, label: str | None = None) -> None:
         self.rank = rank
         self.label = label or f"pipeline rank {rank}"
         self.iteration = 0
-        self.events: list[dict[str, Any]] = []
+        self._raw: list[tuple] = []  # recorded, not yet built: (what, ..., iteration, clock zero)
+        self._events: list[dict[str, Any]] = []
         self._t0 = time.perf_counter()
         self._last_wait_end = 0.0
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every event so far as Chrome trace dicts, in recording order (``events.clear()`` forgets them)."""
+        raw = self._raw
+        if raw:
+            build, out = self._build, self._events
+            for rec in raw:
+                build(rec, out)
+            raw.clear()
+        return self._events
 
     def align(self, group: dist.ProcessGroup | None = None) -> None:
         """Reset the clock's zero to the end of a barrier on ``group`` (no barrier without torch.distributed)."""
@@ -51,80 +79,43 @@ class Tracer:
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
 
-    def _us(self, t: float) -> float:
-        return round((t - self._t0) * 1e6, 3)
-
     def compute(self, action: Action, t_start: float, t_end: float) -> None:
         """A compute action that started (was called) at ``t_start``; it began working once its last wait ended."""
-        begin = max(t_start, self._last_wait_end)
-        self.events.append(
-            {
-                "name": str(action),
-                "cat": action.kind.value,
-                "ph": "X",
-                "pid": self.rank,
-                "tid": COMPUTE_TID,
-                "ts": self._us(begin),
-                "dur": round((t_end - begin) * 1e6, 3),
-                "args": self._args(action),
-            }
-        )
+        begin = t_start if t_start > self._last_wait_end else self._last_wait_end
+        self._raw.append((_COMPUTE, action, begin, t_end, self.iteration, self._t0))
 
     def comm_posted(self, batch: CommBatch) -> None:
-        now = self._us(time.perf_counter())
-        for a in batch.actions:
-            self.events.append(
-                {
-                    "name": str(a),
-                    "cat": a.kind.value,
-                    "ph": "X",
-                    "pid": self.rank,
-                    "tid": COMM_TID,
-                    "ts": now,
-                    "dur": 0.0,
-                    "args": {**self._args(a), "peer": a.peer},
-                }
-            )
+        self._raw.append((_POSTED, batch, time.perf_counter(), 0.0, self.iteration, self._t0))
 
     def waited(self, recv: Action, waiter: Action | CommBatch, t_start: float, t_end: float) -> None:
         """A wait for ``recv`` by the action that consumes it (or, in checking mode, by the batch that posted it)."""
         self._last_wait_end = t_end
-        self.events.append(
-            {
-                "name": f"wait {recv}",
-                "cat": "wait",
-                "ph": "X",
-                "pid": self.rank,
-                "tid": COMPUTE_TID,
-                "ts": self._us(t_start),
-                "dur": round((t_end - t_start) * 1e6, 3),
-                "args": {**self._args(recv), "peer": recv.peer, "waiter": str(waiter)},
-            }
-        )
+        self._raw.append((_WAITED, (recv, waiter), t_start, t_end, self.iteration, self._t0))
 
     def mark(self, name: str, t_start: float, t_end: float, **args: Any) -> None:
         """Any other span on the compute thread (e.g. the optimizer step)."""
-        self.events.append(
-            {
-                "name": name,
-                "cat": "other",
-                "ph": "X",
-                "pid": self.rank,
-                "tid": COMPUTE_TID,
-                "ts": self._us(t_start),
-                "dur": round((t_end - t_start) * 1e6, 3),
-                "args": {"iteration": self.iteration, **args},
-            }
-        )
+        self._raw.append((_MARK, (name, args), t_start, t_end, self.iteration, self._t0))
 
-    def _args(self, a: Action) -> dict[str, Any]:
-        return {
-            "action": str(a),
-            "kind": a.kind.value,
-            "stage": a.stage,
-            "microbatch": a.microbatch,
-            "iteration": self.iteration,
-        }
+    def _build(self, rec: tuple, out: list[dict[str, Any]]) -> None:
+        what, obj, t_start, t_end, iteration, t0 = rec
+        ts, dur = round((t_start - t0) * 1e6, 3), round((t_end - t_start) * 1e6, 3)
+        if what == _COMPUTE:
+            out.append(self._event(str(obj), obj.kind.value, COMPUTE_TID, ts, dur, _args(obj, iteration)))
+        elif what == _POSTED:
+            for a in obj.actions:
+                out.append(
+                    self._event(str(a), a.kind.value, COMM_TID, ts, 0.0, {**_args(a, iteration), "peer": a.peer})
+                )
+        elif what == _WAITED:
+            recv, waiter = obj
+            args = {**_args(recv, iteration), "peer": recv.peer, "waiter": str(waiter)}
+            out.append(self._event(f"wait {recv}", "wait", COMPUTE_TID, ts, dur, args))
+        else:
+            name, extra = obj
+            out.append(self._event(name, "other", COMPUTE_TID, ts, dur, {"iteration": iteration, **extra}))
+
+    def _event(self, name: str, cat: str, tid: int, ts: float, dur: float, args: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
     def metadata(self) -> list[dict[str, Any]]:
         return [
