@@ -177,10 +177,6 @@ class _Real:
 def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torch_names: list[str], warmup: int,
                profile_iters: int, runs: int, device: str = "cpu", keep_freed: bool = True) -> dict:  # fmt: skip
     torch.set_num_threads(1)
-    if os.environ.get("ZB_PIN"):
-        cpus = sorted(os.sched_getaffinity(0))
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), {cpus[rank % len(cpus)]})
     torch.manual_seed(0)
     if device == "cpu" and keep_freed:  # as the trainer does: malloc keeps freed activations (no page faults)
         keep_freed_host_memory()
