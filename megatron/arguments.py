@@ -203,6 +203,28 @@ def build_parser() -> tuple[_OneLineParser, _FlagTable]:
     t.add(g, "--eval-iters", type=int, default=100, help="validation iterations (0 disables validation)")
     t.add(g, "--exit-interval", type=pi, default=None, help="exit after the iteration that is a multiple of this")
     t.add(g, "--seed", type=int, default=1234, help="seed of initialisation, dropout and mock data")
+    t.add(
+        g,
+        "--manual-gc",
+        switch=True,
+        help="Python's garbage collector only at iteration boundaries (young generations after each iteration), "
+        "not whenever it triggers mid-pipeline on one rank",
+    )
+    t.add(
+        g,
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="--manual-gc: full collection every N iterations (0: never)",
+    )
+    t.add(
+        g,
+        "--no-manual-gc-eval",
+        switch=True,
+        store_false=True,
+        dest="manual_gc_eval",
+        help="--manual-gc: no full collection before and after each evaluation",
+    )
 
     g = parser.add_argument_group("optimizer and learning rate")
     t.add(g, "--lr", type=fl, default=None, help="peak learning rate (required)")
@@ -503,6 +525,9 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         eval_iters=v["eval_iters"],
         exit_interval=v["exit_interval"],
         seed=v["seed"],
+        manual_gc=v["manual_gc"],
+        manual_gc_interval=v["manual_gc_interval"],
+        manual_gc_eval=v["manual_gc_eval"],
     )
     num_microbatches = training.num_microbatches(dp)
     lr_schedule = LRScheduleConfig(

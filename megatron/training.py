@@ -45,6 +45,7 @@ from megatron.checkpoint_files import check_writable
 from megatron.checkpointing import load_checkpoint, save_checkpoint
 from megatron.config.errors import ConfigError, RunAbortedError
 from megatron.data.mock_data import MockGPTDataset, collate
+from megatron.garbage_collection import ManualGC
 from megatron.model import GPTConfig, build_gpt_model
 from megatron.optimizer import DistributedOptimizer, GradStats, LRScheduler, MainParamOptimizer
 from megatron.parallel.context import ParallelContext
@@ -464,8 +465,15 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
         load_checkpoint(tr, log=logger.print)
     tr.replanner = attach_replanner(tr.pipeline, run, tr.ctx, logger.print)
     signals = ExitSignalHandler() if ckpt.exit_signal_handler else nullcontext()
-    with signals:
-        summary = _train_loop(tr, logger, tokens_per_iter, flops_per_iter, signals)
+    collector = ManualGC(t.manual_gc_interval, t.manual_gc_eval) if t.manual_gc else None
+    if collector is not None:
+        collector.start()
+    try:
+        with signals:
+            summary = _train_loop(tr, logger, tokens_per_iter, flops_per_iter, signals, collector)
+    finally:
+        if collector is not None:
+            collector.stop()
     write_pipeline_trace(tr, logger.print)
     logger.close()
     return summary
@@ -484,12 +492,27 @@ def _save(tr: Trainer, logger: TrainingLogger) -> None:
     save_checkpoint(tr, log=logger.print)
 
 
+def _evaluate_collected(tr: Trainer, collector: ManualGC | None) -> float:
+    """``evaluate``, with --manual-gc's full collections before and after it."""
+    if collector is not None:
+        collector.around_evaluation()
+    loss = evaluate(tr)
+    if collector is not None:
+        collector.around_evaluation()
+    return loss
+
+
 def _count_skipped(steps: list[SettledStep]) -> int:
     return sum(st.skipped for st in steps)
 
 
 def _train_loop(
-    tr: Trainer, logger: TrainingLogger, tokens_per_iter: int, flops_per_iter: float, signals: object
+    tr: Trainer,
+    logger: TrainingLogger,
+    tokens_per_iter: int,
+    flops_per_iter: float,
+    signals: object,
+    collector: ManualGC | None = None,
 ) -> TrainSummary:
     run, ctx, t, ckpt = tr.run, tr.ctx, tr.run.training, tr.run.checkpoint
 
@@ -503,6 +526,8 @@ def _train_loop(
     while tr.iteration < t.train_iters:
         res = train_step(tr)
         replan_after_iteration(tr.pipeline, tr.replanner, tr.iteration - 1)
+        if collector is not None:
+            collector.after_iteration(tr.iteration)
         window_loss += res.loss if math.isfinite(res.loss) else 0.0
         window_iters += 1
         window_skipped += int(res.skipped)
@@ -536,7 +561,7 @@ def _train_loop(
             window_skipped = window_nan = 0
         if tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
             window_skipped += _count_skipped(settle_pending_step(tr))
-            loss = evaluate(tr)
+            loss = _evaluate_collected(tr, collector)
             validation.append((it, loss))
             logger.validation(it, loss)
             window_start = time.time()  # validation time is not iteration time
@@ -561,7 +586,7 @@ def _train_loop(
     settle_pending_step(tr)
     wall = time.time() - run_start
     if tr.valid_data is not None and t.eval_iters > 0 and (not validation or validation[-1][0] != tr.iteration):
-        loss = evaluate(tr)
+        loss = _evaluate_collected(tr, collector)
         validation.append((tr.iteration, loss))
         logger.validation(tr.iteration, loss)
     tail = [x for x in tr.losses[-min(len(tr.losses), max(1, run.logging.log_interval)) :] if math.isfinite(x)]

@@ -18,6 +18,9 @@ class TrainingConfig:
     eval_iters: int = 100
     exit_interval: int | None = None
     seed: int = 1234
+    manual_gc: bool = False  # megatron.garbage_collection
+    manual_gc_interval: int = 0
+    manual_gc_eval: bool = True
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 1, f"--micro-batch-size={self.micro_batch_size} must be >= 1")
@@ -29,6 +32,15 @@ class TrainingConfig:
         if self.exit_interval is not None:
             require(self.exit_interval >= 1, f"--exit-interval={self.exit_interval} must be >= 1")
         require(self.seed >= 0, f"--seed={self.seed} must be >= 0")
+        require(
+            self.manual_gc_interval >= 0,
+            f"--manual-gc-interval={self.manual_gc_interval} must be >= 0 (0: no periodic full collection)",
+        )
+        if not self.manual_gc:
+            require(
+                self.manual_gc_interval == 0 and self.manual_gc_eval,
+                "--manual-gc-interval and --no-manual-gc-eval only apply with --manual-gc; add --manual-gc",
+            )
 
     def resolved_global_batch_size(self, dp_size: int) -> int:
         return self.global_batch_size if self.global_batch_size is not None else self.micro_batch_size * dp_size
