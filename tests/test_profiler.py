@@ -292,6 +292,36 @@ def test_bench_pipeline_cli_offers_what_make_bench_passes(capsys) -> None:
     assert "unknown" in capsys.readouterr().err
     assert mod.main(["--emulated-iterations", "1"]) == 2
     assert "warm-up" in capsys.readouterr().err
+    assert mod.main(["--launches", "0"]) == 2
+    assert mod.main(["--launches", "2", "--one-launch"]) == 2
+    assert "--launches" in capsys.readouterr().err
+
+
+def test_bench_ratio_over_launches_carries_their_spread() -> None:
+    import importlib.util
+    import os
+
+    import numpy as np
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(root, "tools", "bench_pipeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(1)
+
+    def launch(ratio: float) -> tuple[list[float], list[float]]:  # 20 runs, 1% noise, base 1.0 s
+        base = 1.0 + 0.01 * rng.standard_normal(20)
+        return list(base / ratio * (1.0 + 0.01 * rng.standard_normal(20))), list(base)
+
+    one = launch(1.10)
+    assert mod.bootstrap_launches([one]) == mod.bootstrap_ratio(*one)
+    _, lo1, hi1 = mod.bootstrap_ratio(*one)
+    launches = [launch(r) for r in (1.04, 1.06, 1.08, 1.10, 1.12)]
+    point, lo, hi = mod.bootstrap_launches(launches)
+    ratios = sorted(float(np.median(b) / np.median(t)) for t, b in launches)
+    assert point == ratios[2]  # the median launch
+    assert lo < 1.07 and hi > 1.09  # the launches' spread, not one launch's noise
+    assert hi - lo > 2 * (hi1 - lo1)
 
 
 @pytest.mark.slow

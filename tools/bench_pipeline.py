@@ -117,6 +117,33 @@ def bootstrap_ratio(times: Sequence[float], base: Sequence[float], *, samples: i
     return float(np.median(b) / np.median(a)), float(lo), float(hi)
 
 
+def bootstrap_launches(pairs: Sequence[tuple[Sequence[float], Sequence[float]]], *, samples: int = 2000, seed: int = 0):
+    """Throughput ratio over several launches, each a pair (schedule's times, its 1F1B times), runs paired by round.
+
+    The estimate is the median of the launches' ratios; the 95% interval resamples launches, then runs within each
+    resampled launch, so it carries the launch-to-launch spread (fresh processes land differently on a shared host)
+    that one launch's run bootstrap cannot see.  With one launch this is ``bootstrap_ratio``.
+    """
+    if len(pairs) == 1:
+        return bootstrap_ratio(*pairs[0], samples=samples, seed=seed)
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for times, base in pairs:
+        n = min(len(times), len(base))
+        arrays.append((np.asarray(times[:n], float), np.asarray(base[:n], float)))
+    point = float(np.median([np.median(b) / np.median(a) for a, b in arrays]))
+    estimates = np.empty(samples)
+    for k in range(samples):
+        ratios = []
+        for i in rng.integers(0, len(arrays), size=len(arrays)):
+            a, b = arrays[i]
+            j = rng.integers(0, len(a), size=len(a))
+            ratios.append(np.median(b[j]) / np.median(a[j]))
+        estimates[k] = np.median(ratios)
+    lo, hi = np.percentile(estimates, [2.5, 97.5])
+    return point, float(lo), float(hi)
+
+
 # ------------------------------------------------------------------------------------ (b, c, d) real compute
 class _Real:
     """One rank's GPT stages per layout and an executor per schedule (schedules of a layout share stages)."""
@@ -265,21 +292,27 @@ def _schedules_for(pp: int, m: int, log: Callable[[str], None]) -> list[str]:
 
 def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], log: Callable[[str], None],
              *, warmup: int = 2, profile_iters: int = 6, pp: int = 2, schedules: Sequence[str] | None = None,
-             keep_freed: bool = True, one_launch: bool = False) -> dict:  # fmt: skip
+             keep_freed: bool = True, one_launch: bool = False, launches: int = 1) -> dict:  # fmt: skip
     """Each schedule in its own launch, alternated with our 1F1B (pairwise); ``one_launch``: all of them
     alternated in one launch (one pair of processes, one shared 1F1B baseline).
 
     Why pairwise by default: a user runs one schedule per job, so each schedule gets fresh processes and its own 1F1B
     baseline; the ratios of different pairs share the 1F1B reference, not the same runs.  (All-in-one runs once
     slowed the split-backward schedules by 22-36%; that was a profiler leak, since fixed: see ``--one-launch``.)
+    ``launches`` > 1 (pairwise only): every pair is launched that many times; the ratio is the median of the
+    launches' ratios with an interval that resamples launches (``bootstrap_launches``); the other columns come
+    from the first launch.
     """
     method = (
         "one launch: every schedule alternated"
         if one_launch
         else "pairwise: each schedule alternated with 1f1b in its own launch"
     )
+    if one_launch and launches != 1:
+        raise ValueError("--launches applies to the pairwise method; drop it or --one-launch")
     out: dict[str, Any] = {"pp": pp, "model": asdict(model), "runs": runs, "device": "cpu", "by_m": {},
-                           "method": method, "host_malloc": "keep" if keep_freed else "default"}  # fmt: skip
+                           "method": method, "host_malloc": "keep" if keep_freed else "default",
+                           "launches": launches}  # fmt: skip
     quiet: Callable[[str], None] = lambda _msg: None  # noqa: E731
     for m in ms:
         names = [n for n in _schedules_for(pp, m, log) if schedules is None or n in schedules or n == "1f1b"]
@@ -302,17 +335,34 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         first: dict | None = None
         for name in others + [f"torch:{t}" for t in torch_names]:
             ours, theirs = (["1f1b", name], []) if not name.startswith("torch:") else (["1f1b"], [name[6:]])
-            res = run_multiprocess(
-                _real_rank,
-                pp,
-                args=(model, m, ours, theirs, warmup, profile_iters, runs, "cpu", keep_freed),
-                timeout_s=3600,
-            )
-            agg = aggregate_real(res, model, m, quiet)
-            first = first or agg
-            row = next(r for r in agg["rows"] if r["schedule"] == name)
+            pairs: list[tuple[list[float], list[float]]] = []
+            row: dict | None = None
+            for _ in range(launches):
+                res = run_multiprocess(
+                    _real_rank,
+                    pp,
+                    args=(model, m, ours, theirs, warmup, profile_iters, runs, "cpu", keep_freed),
+                    timeout_s=3600,
+                )
+                pairs.append((res[0]["times"][name], res[0]["times"]["1f1b"]))
+                agg = aggregate_real(res, model, m, quiet)
+                first = first or agg
+                row = row or next(r for r in agg["rows"] if r["schedule"] == name)
+                base_rows.append(next(r for r in agg["rows"] if r["schedule"] == "1f1b"))
+            assert row is not None
+            if launches > 1:
+                ratio, lo, hi = bootstrap_launches(pairs)
+                all_times = [t for times, _ in pairs for t in times]
+                row.update(
+                    ratio=ratio,
+                    ratio_lo=lo,
+                    ratio_hi=hi,
+                    launch_ratios=[statistics.median(b) / statistics.median(t) for t, b in pairs],
+                    median_ms=statistics.median(all_times) * 1e3,
+                    tokens_per_s=m * model.micro_batch * model.seq_length / statistics.median(all_times),
+                    runs=len(all_times),
+                )
             rows.append(row)
-            base_rows.append(next(r for r in agg["rows"] if r["schedule"] == "1f1b"))
             _log_real_row(log, m, row)
         base = dict(base_rows[0])
         base["median_ms"] = statistics.median(r["median_ms"] for r in base_rows)
@@ -434,7 +484,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-torch", action="store_true", help="real: leave out torch.distributed.pipelining")
     ap.add_argument("--schedules", nargs="+", default=None, help="real: only these of ours (1f1b always runs)")
     ap.add_argument(
+        "--torch-schedules", nargs="+", default=None, help="real: only these of torch.distributed.pipelining's"
+    )
+    ap.add_argument(
         "--one-launch", action="store_true", help="real: alternate all schedules in one launch (default: pairwise)"
+    )
+    ap.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="real, pairwise: launch every schedule's pair with 1F1B this many times; the ratio's interval then "
+        "resamples launches too (default 1)",
     )
     ap.add_argument(
         "--host-malloc",
@@ -460,6 +520,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         print(f"bench_pipeline: error: --parts {sorted(bad)} unknown; use emulated and/or real", file=sys.stderr)
         return 2
+    if args.launches < 1 or (args.launches > 1 and args.one_launch):
+        print("bench_pipeline: error: --launches must be >= 1 and goes with the pairwise method (not --one-launch)",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.emulated_iterations is not None and args.emulated_iterations < 2:
         print("bench_pipeline: error: --emulated-iterations must be >= 2 (the first is a warm-up)", file=sys.stderr)
         return 2
@@ -476,7 +540,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch_names: list[str] = []
     if tp_bench is not None and not args.no_torch:
         avail = tp_bench.available_schedules()
-        torch_names = [n for n in (["1f1b"] if quick else avail) if n in avail]
+        wanted = args.torch_schedules or (["1f1b"] if quick else avail)
+        unknown = sorted(set(wanted) - set(avail))
+        if unknown:
+            print(f"bench_pipeline: error: --torch-schedules {unknown} not available here; choose from {avail}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        torch_names = [n for n in wanted if n in avail]
     os.makedirs(args.out, exist_ok=True)
     report: dict[str, Any] = {
         "environment": environment(),
@@ -502,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 schedules=args.schedules,
                 keep_freed=args.host_malloc == "keep",
                 one_launch=args.one_launch,
+                launches=args.launches,
             )
     try:
         report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

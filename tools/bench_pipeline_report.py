@@ -126,7 +126,15 @@ def to_markdown(report: dict[str, Any]) -> str:
                 if real.get("method", "").startswith("one launch")
                 else "Each schedule runs in its own launch (fresh processes), alternated with our 1F1B, "
             )
-            + f"{real['runs']} runs of each (rounds rotate the order), an iteration timed "
+            + f"{real['runs']} runs of each (rounds rotate the order), "
+            + (
+                f"every pair launched {real['launches']} times (ratio: the median of the launches' ratios, its "
+                "interval resampling launches and then runs, so it carries the launch-to-launch spread; the other "
+                "columns from the first launch), "
+                if real.get("launches", 1) > 1
+                else ""
+            )
+            + "an iteration timed "
             "between barriers as the slowest rank's time, forward + backward without the optimizer step. Ratio = "
             "tokens/s over the 1F1B runs of the same launch, median with a bootstrap 95% interval; the 1F1B row is "
             "the median over all launches. `torch:*` rows are torch.distributed.pipelining's schedules on the same "
@@ -165,9 +173,11 @@ def to_markdown(report: dict[str, Any]) -> str:
                         f"| {', '.join(f'{v / 2**20:.2f}' for v in r['predicted_peak_bytes'])} "
                         f"| {r['memory_error']:.1%} | {r['peak_vs_1f1b']:.2f} | {_bound_cell(r)} | {faults} |"
                     )
+                per_launch = r.get("launch_ratios")
+                launches = f" (launches: {', '.join(f'{x:.3f}' for x in per_launch)})" if per_launch else ""
                 lines.append(
                     f"| {r['schedule']} | {r['tokens_per_s']:.0f} | {r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
-                    f"{r['ratio_hi']:.3f}] {extra}"
+                    f"{r['ratio_hi']:.3f}]{launches} {extra}"
                 )
             lines.append("")
         lines += [
