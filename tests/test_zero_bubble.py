@@ -106,3 +106,53 @@ def test_mem_limit_below_peak_says_what_is_needed() -> None:
 def test_chunks_other_than_one_are_refused() -> None:
     with pytest.raises(ValueError, match="chunks"):
         generate("zb-h1", 4, 8, chunks=2)
+
+
+def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
+    """ZB-H2 places a W before a stage-0 B in a rank's tail (after its last F) whenever one is pending: that B
+    feeds nobody, so the swap can only fill a wait. Under any costs -- also costs other than the ones planned for
+    (a profile taken earlier) -- the plan with the swaps is never longer and never holds more memory."""
+    import random
+    from dataclasses import replace
+
+    from zb_pipeline.schedule.generators.zb_auto import (
+        Policy,
+        StageArrays,
+        _backend,
+        _run,
+        _to_schedule,
+        default_mem_limit,
+    )
+    from zb_pipeline.schedule.generators.zero_bubble import first_stage_tail_w_first
+    from zb_pipeline.schedule.simulate import rank_peak_memory
+
+    rng = random.Random(3)
+    moved_somewhere = False
+    for _ in range(40):
+        p, m = rng.randint(2, 5), rng.randint(2, 12)
+        planned = StageCosts.uniform(p, f=rng.uniform(5, 20), b=rng.uniform(5, 20), w=rng.uniform(2, 12), comm=0.2)
+        warm = tuple(max(1, min(m, 2 * (p - i) - 1)) for i in range(p))
+        st = StageArrays.of(planned, default_mem_limit(p, planned))
+        plans, _ = _run(_backend(None), m, st, Policy(warm, (0,) * p, (m,) * p, 0.0, False, False, "zb-h2"))
+        before = _to_schedule("zb-h2", p, m, plans)
+        after = generate("zb-h2", p, m, costs=planned)
+        assert after.ranks == first_stage_tail_w_first(before, planned).ranks
+        validate(after)
+        for r in range(p):  # same actions, W's and B's each in the same order
+            for kind in (Kind.F, Kind.B, Kind.W):
+                assert [a for a in after.ranks[r] if a.kind is kind] == [a for a in before.ranks[r] if a.kind is kind]
+        tail = after.ranks[0][max(i for i, a in enumerate(after.ranks[0]) if a.kind is Kind.F) + 1 :]
+        for i, a in enumerate(tail):  # no W left behind a B it could have run before
+            if a.kind is Kind.W:
+                assert all(x.kind is not Kind.B or x.microbatch == a.microbatch for x in tail[i - 1 : i])
+        moved_somewhere |= after.ranks != before.ranks
+        for _ in range(5):  # the costs the plan really meets: each stage off by up to +-30%
+            real = replace(
+                planned,
+                f=tuple(x * rng.uniform(0.7, 1.3) for x in planned.f),
+                b=tuple(x * rng.uniform(0.7, 1.3) for x in planned.b),
+                w=tuple(x * rng.uniform(0.7, 1.3) for x in planned.w),
+            )
+            assert simulate(after, real).makespan <= simulate(before, real).makespan + 1e-9
+        assert max(rank_peak_memory(after, planned)) <= max(rank_peak_memory(before, planned)) + 1e-9
+    assert moved_somewhere
