@@ -115,6 +115,7 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
     import random
     from dataclasses import replace
 
+    from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
     from zb_pipeline.schedule.generators.zb_auto import (
         Policy,
         StageArrays,
@@ -123,7 +124,6 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
         _to_schedule,
         default_mem_limit,
     )
-    from zb_pipeline.schedule.generators.zero_bubble import first_stage_tail_w_first
     from zb_pipeline.schedule.simulate import rank_peak_memory
 
     rng = random.Random(3)
