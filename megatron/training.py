@@ -599,6 +599,8 @@ def _train_loop(
     }
     if validation:
         extra["final validation loss"] = f"{validation[-1][1]:.6E}"
+    if collector is not None:
+        extra["manual gc"] = f"{collector.collections} collections, {collector.seconds * 1e3:.1f} ms"
     logger.final_summary(iterations=tr.iteration, final_loss=final_loss, tokens_per_s=tokens_per_s, extra=extra)
     return TrainSummary(
         iterations=tr.iteration,

@@ -99,9 +99,12 @@ def test_training_with_manual_gc_matches_and_restores_the_collector(restore_gc, 
             return _orig(self, *args)
 
         monkeypatch.setattr(ManualGC, name, spy)
-    plain = pretrain(parse_run_config(ARGV), stream=io.StringIO())
+    plain_log, manual_log = io.StringIO(), io.StringIO()
+    plain = pretrain(parse_run_config(ARGV), stream=plain_log)
     assert calls == []
-    manual = pretrain(parse_run_config([*ARGV, "--manual-gc", "--manual-gc-interval", "2"]), stream=io.StringIO())
+    manual = pretrain(parse_run_config([*ARGV, "--manual-gc", "--manual-gc-interval", "2"]), stream=manual_log)
+    # start + 6 boundaries + 4 around the validations; the run summary says so
+    assert "manual gc: 11 collections" in manual_log.getvalue() and "manual gc" not in plain_log.getvalue()
     assert manual.losses == plain.losses and manual.validation_losses == plain.validation_losses
     assert calls.count("after_iteration") == 6 and calls[0] == "start" and calls[-1] == "stop"
     assert calls.count("around_evaluation") == 4  # validations at iterations 3 and 6, each bracketed

@@ -116,14 +116,7 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
     from dataclasses import replace
 
     from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
-    from zb_pipeline.schedule.generators.zb_auto import (
-        Policy,
-        StageArrays,
-        _backend,
-        _run,
-        _to_schedule,
-        default_mem_limit,
-    )
+    from zb_pipeline.schedule.generators.zero_bubble import zb_h2_greedy_order
     from zb_pipeline.schedule.simulate import rank_peak_memory
 
     rng = random.Random(3)
@@ -131,10 +124,7 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
     for _ in range(40):
         p, m = rng.randint(2, 5), rng.randint(2, 12)
         planned = StageCosts.uniform(p, f=rng.uniform(5, 20), b=rng.uniform(5, 20), w=rng.uniform(2, 12), comm=0.2)
-        warm = tuple(max(1, min(m, 2 * (p - i) - 1)) for i in range(p))
-        st = StageArrays.of(planned, default_mem_limit(p, planned))
-        plans, _ = _run(_backend(None), m, st, Policy(warm, (0,) * p, (m,) * p, 0.0, False, False, "zb-h2"))
-        before = _to_schedule("zb-h2", p, m, plans)
+        before = zb_h2_greedy_order(p, m, planned)
         after = generate("zb-h2", p, m, costs=planned)
         assert after.ranks == first_stage_tail_w_first(before, planned).ranks
         validate(after)

@@ -27,8 +27,9 @@ time (``m >= 2p``, and c small enough that the last rank never waits: we test ``
   fit before the gradient of microbatch 0 returns (with F = B, c = 0), then, whenever free, its next B if the
   gradient is there, else its next F while it holds fewer than ``2p - 1`` microbatches, else its oldest W if that
   W ends before the next B is due; the W's it never found room for trail its last B (the last rank: ``2p - 1``
-  of them, the parallelogram of the paper).  Placing W's where they fit needs the stage costs: given, they are
-  used (per stage, not a median).
+  of them, the parallelogram of the paper), except that once a rank has no F left its pending W's go before a
+  following stage-0 B (``tail_order``: never longer, and robust to a stage running slower than planned).
+  Placing W's where they fit needs the stage costs: given, they are used (per stage, not a median).
 
 Both work for every p and m (m < p included: the warm-up is cut to m); a ``mem_limit`` below the plan's peak
 raises ``ValueError`` naming the peak it needs.
@@ -64,11 +65,17 @@ def zb_h1_order(p: int, m: int) -> Schedule:
 
 
 def zb_h2_order(p: int, m: int, costs: StageCosts) -> Schedule:
-    """ZB-H2: 2(p-i)-1 warm-up forwards on rank i, then B first, F within 2p-1 microbatches, W where it fits."""
+    """ZB-H2: 2(p-i)-1 warm-up forwards on rank i, then B first, F within 2p-1 microbatches, W where it fits; then
+    the tail rule (``tail_order``)."""
+    return first_stage_tail_w_first(zb_h2_greedy_order(p, m, costs), costs)
+
+
+def zb_h2_greedy_order(p: int, m: int, costs: StageCosts) -> Schedule:
+    """ZB-H2's greedy order before the tail rule (the paper's placement: a W only where it fits)."""
     st = StageArrays.of(costs, default_mem_limit(p, costs))
     warm = tuple(max(1, min(m, 2 * (p - i) - 1)) for i in range(p))
     plans, _ = _run(_backend(None), m, st, Policy(warm, (0,) * p, (m,) * p, 0.0, False, False, "zb-h2"))
-    return first_stage_tail_w_first(_to_schedule("zb-h2", p, m, plans), costs)
+    return _to_schedule("zb-h2", p, m, plans)
 
 
 def _check_limit(name: str, schedule: Schedule, costs: StageCosts, mem_limit: float | None) -> Schedule:
