@@ -64,6 +64,7 @@ from zb_pipeline.runtime.profiler import (  # noqa: E402
 from zb_pipeline.runtime.trace import Tracer  # noqa: E402
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore  # noqa: E402
 from zb_pipeline.schedule import registry  # noqa: E402
+from zb_pipeline.schedule.bounds import iteration_lower_bound, theory_ceiling  # noqa: E402
 from zb_pipeline.schedule.ir import Schedule  # noqa: E402
 from zb_pipeline.schedule.lowering import lower  # noqa: E402
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict  # noqa: E402
@@ -333,6 +334,7 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         rows: list[dict] = []
         base_rows: list[dict] = []
         first: dict | None = None
+        ceiling: dict | None = None  # the ceiling of ZB-H2's first launch (else another split schedule's)
         for name in others + [f"torch:{t}" for t in torch_names]:
             ours, theirs = (["1f1b", name], []) if not name.startswith("torch:") else (["1f1b"], [name[6:]])
             pairs: list[tuple[list[float], list[float]]] = []
@@ -349,6 +351,11 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
                 first = first or agg
                 row = row or next(r for r in agg["rows"] if r["schedule"] == name)
                 base_rows.append(next(r for r in agg["rows"] if r["schedule"] == "1f1b"))
+                own_cap = agg["ceiling"]["own"]
+                if own_cap and own_cap["from"] == name:  # this pair's 1F1B and this schedule's own costs
+                    row.setdefault("launch_ceilings", []).append(own_cap["ceiling"])
+                    if ceiling is None or (name == "zb-h2" and ceiling["own"]["from"] != "zb-h2"):
+                        ceiling = agg["ceiling"]
             assert row is not None
             if launches > 1:
                 ratio, lo, hi = bootstrap_launches(pairs)
@@ -370,7 +377,8 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         base["runs"] = sum(r["runs"] for r in base_rows)
         _log_real_row(log, m, base)
         assert first is not None
-        out["by_m"][str(m)] = {"rows": [base, *rows], "profiles": first["profiles"], "latency_ms": first["latency_ms"]}
+        out["by_m"][str(m)] = {"rows": [base, *rows], "profiles": first["profiles"], "latency_ms": first["latency_ms"],
+                               "ceiling": ceiling or first["ceiling"]}  # fmt: skip
     return out
 
 
@@ -445,7 +453,45 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
             if "peak_bytes" in r:
                 r["peak_vs_1f1b"] = max(r["peak_bytes"]) / max(one["peak_bytes"])
             _log_real_row(log, m, r)
-        return {"rows": rows, "profiles": res[0]["profiles"], "latency_ms": profiles["loop/1"].comm}
+        ceiling = speedup_ceiling(profiles["loop/1"], rows, res[0]["plans"], m)
+        own_cap = f", x{ceiling['own']['ceiling']:.3f} (the runs' own costs)" if ceiling["own"] else ""
+        log(f"  m={m} ceiling over 1F1B for any schedule of the loop layout: x{ceiling['launch']['ceiling']:.3f} "
+            f"(launch profile){own_cap}")  # fmt: skip
+        return {"rows": rows, "profiles": res[0]["profiles"], "latency_ms": profiles["loop/1"].comm,
+                "ceiling": ceiling}  # fmt: skip
+
+
+def speedup_ceiling(launch_profile: Profile, rows: list[dict], plans: dict[str, dict], m: int) -> dict[str, Any]:
+    """The largest ratio to 1F1B any schedule with one stage per rank could reach (``iteration_lower_bound``).
+
+    ``launch``: 1F1B's simulated iteration (``SimResult.end_time``: barrier to barrier) over the bound, both under the
+    launch's profile (medians, the runtime's per-action overhead added).  ``own``: the same under the timed runs' own
+    costs -- 1F1B's own profile for its iteration, the split-backward costs ZB-H2 (else zb-h1, zb-auto) measured in
+    its runs for the bound -- the ceiling its measured ratio is to be read against.  ``split_end_ms``: each
+    split-backward loop schedule's simulated iteration under its own costs, and ``theory`` the F = B = 2W ceiling.
+    """
+    p = launch_profile.num_ranks
+    place = tuple(range(p))
+    fixed_1f1b = registry.generate("1f1b", p, m)
+
+    def one_pass(split: Profile, fused: Profile) -> dict[str, float]:
+        bound = iteration_lower_bound(split.to_stage_costs(stage_to_rank=place, overhead=True), place, m)
+        end = simulate(fixed_1f1b, fused.to_stage_costs(stage_to_rank=place, fused=True, overhead=True)).end_time
+        return {"bound_ms": bound.time, "bound_rank": bound.rank, "one_f_one_b_ms": end, "ceiling": end / bound.time}
+
+    out: dict[str, Any] = {"launch": one_pass(launch_profile, launch_profile), "own": None, "theory": None,
+                           "split_end_ms": {}}  # fmt: skip
+    out["theory"] = theory_ceiling(p, m)
+    by_name = {r["schedule"]: r for r in rows if "own_profile" in r}
+    split_rows = [by_name[n] for n in ("zb-h2", "zb-h1", "zb-auto") if n in by_name]
+    if "1f1b" in by_name and split_rows:
+        ref = Profile.from_dict(split_rows[0]["own_profile"])
+        out["own"] = {"from": split_rows[0]["schedule"],
+                      **one_pass(ref, Profile.from_dict(by_name["1f1b"]["own_profile"]))}  # fmt: skip
+    for r in split_rows:
+        own = Profile.from_dict(r["own_profile"]).to_stage_costs(stage_to_rank=place, overhead=True)
+        out["split_end_ms"][r["schedule"]] = simulate(plan_from_dict(plans[r["schedule"]]), own).end_time
+    return out
 
 
 def stated_memory_bound(name: str, p: int, m: int) -> float | None:

@@ -146,7 +146,8 @@ def to_markdown(report: dict[str, Any]) -> str:
                 if real.get("host_malloc", "keep") == "keep"
                 else "glibc's default thresholds (`--host-malloc default`). "
             )
-            + "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x.",
+            + "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x. At m = 8 the same costs "
+            "cap every schedule at 1.071x over 1F1B (below the target; see each block's ceiling).",
             "",
         ]
         for m, block in real["by_m"].items():
@@ -156,6 +157,7 @@ def to_markdown(report: dict[str, Any]) -> str:
                 "",
                 f"Profiled (zb-h1, loop layout): {_f_b_w_ratio(prof)}; P2P latency {block['latency_ms']:.3f} ms.",
                 "",
+                *_ceiling_lines(block.get("ceiling"), int(m)),
                 "| schedule | tokens/s | ratio to 1F1B [95% CI] | measured span ms | predicted ms | pred. error "
                 "| from the launch's first profile ms (error) | peak act. MiB per rank | predicted MiB | mem. error "
                 "| peak / 1F1B | peak in microbatches / stated bound | minor page faults per iteration, per rank |",
@@ -175,6 +177,9 @@ def to_markdown(report: dict[str, Any]) -> str:
                     )
                 per_launch = r.get("launch_ratios")
                 launches = f" (launches: {', '.join(f'{x:.3f}' for x in per_launch)})" if per_launch else ""
+                caps = r.get("launch_ceilings")
+                if per_launch and caps and len(caps) == len(per_launch):
+                    launches += f" (their ceilings: {', '.join(f'{x:.3f}' for x in caps)})"
                 lines.append(
                     f"| {r['schedule']} | {r['tokens_per_s']:.0f} | {r['ratio']:.3f} [{r['ratio_lo']:.3f}, "
                     f"{r['ratio_hi']:.3f}]{launches} {extra}"
@@ -207,6 +212,30 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _ceiling_lines(ceiling: dict[str, Any] | None, m: int) -> list[str]:
+    """The block's speed-up ceiling (``bench_pipeline.speedup_ceiling``) in words."""
+    if not ceiling:
+        return []
+    launch, own = ceiling["launch"], ceiling.get("own")
+    text = (
+        f"Ceiling (`zb_pipeline.schedule.bounds`): no schedule with one stage per rank can end an iteration before "
+        f"{launch['bound_ms']:.1f} ms under the launch's profile (rank {launch['bound_rank']} waits for its first "
+        f"input, then works to the end); 1F1B's simulated iteration is {launch['one_f_one_b_ms']:.1f} ms, so no "
+        f"schedule can beat 1F1B by more than **{launch['ceiling']:.3f}x** (at F = B = 2W: {ceiling['theory']:.3f}x)."
+    )
+    if own:
+        text += (
+            f" Under the timed runs' own costs (1F1B's for 1F1B, {own['from']}'s for the bound): "
+            f"{own['one_f_one_b_ms']:.1f} / {own['bound_ms']:.1f} ms = **{own['ceiling']:.3f}x**; "
+        )
+        text += ", ".join(
+            f"{name}'s plan simulates to {end:.1f} ms ({end / own['bound_ms'] - 1:+.1%} over the bound)"
+            for name, end in ceiling.get("split_end_ms", {}).items()
+        )
+        text += "."
+    return [text, ""]
 
 
 def plot(report: dict[str, Any], out_dir: str) -> list[str]:
