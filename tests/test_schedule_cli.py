@@ -32,6 +32,21 @@ def test_simulate_json_1f1b(capsys):
     assert out["p2p_messages"] == 2 * 8 * 3  # one activation and one gradient per microbatch per boundary
 
 
+def test_simulate_reports_the_lower_bound(capsys):
+    # p = 2, m = 8, F = B = 2W: no plan ends before F + 8 (F + B + W) = 21; ZB-H2 does, 1F1B ends at 9 x 2.5.
+    ends = {}
+    for name in ("zb-h2", "1f1b"):
+        assert main(["simulate", name, "-p", "2", "-m", "8", "--cost-w", "0.5", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["lower_bound"] == pytest.approx(21.0)
+        ends[name] = out["end_time"]
+    assert ends == pytest.approx({"zb-h2": 21.0, "1f1b": 22.5})
+    assert main(["simulate", "1f1b", "-p", "2", "-m", "8", "--cost-w", "0.5"]) == 0
+    assert "no plan of this layout can end before 21 (rank 1, first input): +7.14% over that bound" in (
+        capsys.readouterr().out
+    )
+
+
 def test_simulate_long_flags_text_and_export(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     rc = main(

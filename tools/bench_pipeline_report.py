@@ -275,6 +275,14 @@ def plot(report: dict[str, Any], out_dir: str) -> list[str]:
             colors = ["#c64" if r["schedule"].startswith("torch:") else "#36a" for r in rows]
             ax.bar(x, ratio, yerr=err, color=colors, capsize=3)
             ax.axhline(1.0, color="k", lw=0.8)
+            cap = real["by_m"][m].get("ceiling")
+            if cap:  # the largest ratio any one-stage-per-rank schedule could reach (bounds.iteration_lower_bound)
+                ax.axhline(cap["launch"]["ceiling"], color="#444", lw=1.0, ls="--",
+                           label=f"ceiling, launch profile ({cap['launch']['ceiling']:.3f})")  # fmt: skip
+                if cap.get("own"):
+                    ax.axhline(cap["own"]["ceiling"], color="#444", lw=1.0, ls=":",
+                               label=f"ceiling, runs' own costs ({cap['own']['ceiling']:.3f})")  # fmt: skip
+                ax.legend(fontsize=7, loc="upper right")
             ax.set_xticks(x, [r["schedule"] for r in rows], rotation=60, ha="right", fontsize=8)
             ax.set_ylabel("tokens/s relative to our 1F1B")
             ax.set_title(f"real GPT on CPU, pp=2, m={m} (blue: ours, red: torch)")

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
@@ -183,6 +184,8 @@ def _summary_dict(result: SimResult, costs: StageCosts, lowered: LoweredSchedule
         "rank_compute": list(result.rank_compute),
         "p2p_messages": p2p_messages(lowered),
         "cost_comm": costs.comm,
+        "end_time": result.end_time,
+        "lower_bound": iteration_lower_bound(costs, s.stage_to_rank, s.num_microbatches).time,
     }
 
 
@@ -192,11 +195,16 @@ def _fmt_list(values: Sequence[float], limit: int = 8) -> str:
     return f"max {max(values):g} (rank {list(values).index(max(values))})"
 
 
-def _print_summary(result: SimResult, lowered: LoweredSchedule) -> None:
+def _print_summary(result: SimResult, costs: StageCosts, lowered: LoweredSchedule) -> None:
     s = result.schedule
     print(
         f"{s.name}: p={s.num_ranks} m={s.num_microbatches} chunks={s.chunks} ({s.placement})  "
         f"makespan {result.makespan:g}  bubble rate {result.bubble_rate:.2%}  P2P messages {p2p_messages(lowered)}"
+    )
+    bound = iteration_lower_bound(costs, s.stage_to_rank, s.num_microbatches)
+    print(
+        f"iteration ends at {result.end_time:g}; no plan of this layout can end before {bound.time:g} "
+        f"(rank {bound.rank}, {bound.reason}): {result.end_time / bound.time - 1:+.2%} over that bound"
     )
     print(f"{'rank':>5} {'span':>10} {'compute':>10} {'idle':>8} {'peak mem':>9}")
     for r in range(s.num_ranks):
@@ -281,7 +289,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(_summary_dict(result, costs, lowered)))
     else:
-        _print_summary(result, lowered)
+        _print_summary(result, costs, lowered)
         if args.export:
             print(f"wrote {args.export}")
     if args.png or args.svg:
