@@ -324,6 +324,43 @@ def test_bench_ratio_over_launches_carries_their_spread() -> None:
     assert hi - lo > 2 * (hi1 - lo1)
 
 
+def test_bench_speedup_ceiling_from_profiles() -> None:
+    """p = 2, m = 8, F = B = 2W: every schedule is capped at 1F1B's 22.5 over the bound 21 (15/14); 1F1B paying
+    more per action in its own runs raises the own-cost ceiling, and ZB-H2's plan sits at the bound."""
+    import importlib.util
+    import os
+
+    from zb_pipeline.schedule import registry
+    from zb_pipeline.schedule.plan_file import plan_to_dict
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(root, "tools", "bench_pipeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def profile(*, fused: bool, overhead: float = 0.0, f: float = 1.0) -> Profile:
+        split = (None, None) if fused else (1.0, 1.0)
+        return Profile(num_ranks=2, stage_to_rank=(0, 1), f=(f, f), b=split, w=(None, None) if fused else (0.5, 0.5),
+                       bw=(1.5, 1.5) if fused else (None, None), comm=0.0, mem_f=(1.0, 1.0), mem_b=(0.0, 0.0),
+                       mem_w=(-1.0, -1.0), overhead=overhead)  # fmt: skip
+
+    m = 8
+    launch = profile(fused=False)
+    plan = registry.generate("zb-h2", 2, m, costs=launch.to_stage_costs())
+    rows = [
+        {"schedule": "1f1b", "own_profile": profile(fused=True, f=1.1).to_dict()},
+        {"schedule": "zb-h2", "own_profile": launch.to_dict()},
+    ]
+    cap = mod.speedup_ceiling(launch, rows, {"zb-h2": plan_to_dict(plan)}, m)
+    assert cap["launch"]["bound_ms"] == pytest.approx(21.0)
+    assert cap["launch"]["one_f_one_b_ms"] == pytest.approx(22.5)
+    assert cap["launch"]["ceiling"] == pytest.approx(15 / 14) == pytest.approx(cap["theory"])
+    assert cap["own"]["from"] == "zb-h2"
+    assert cap["own"]["one_f_one_b_ms"] == pytest.approx(9 * 2.6)  # 1F1B's own F of 1.1 on the critical path
+    assert cap["own"]["ceiling"] == pytest.approx(9 * 2.6 / 21.0)
+    assert cap["split_end_ms"] == {"zb-h2": pytest.approx(21.0)}
+
+
 @pytest.mark.slow
 def test_example_benchmark_script_runs_under_torchrun(tmp_path) -> None:
     import os

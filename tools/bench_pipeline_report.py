@@ -219,9 +219,10 @@ def _ceiling_lines(ceiling: dict[str, Any] | None, m: int) -> list[str]:
     if not ceiling:
         return []
     launch, own = ceiling["launch"], ceiling.get("own")
+    whose = f"the profile taken at the start of {own['from']}'s launch" if own else "the launch's profile"
     text = (
         f"Ceiling (`zb_pipeline.schedule.bounds`): no schedule with one stage per rank can end an iteration before "
-        f"{launch['bound_ms']:.1f} ms under the launch's profile (rank {launch['bound_rank']} waits for its first "
+        f"{launch['bound_ms']:.1f} ms under {whose} (rank {launch['bound_rank']} waits for its first "
         f"input, then works to the end); 1F1B's simulated iteration is {launch['one_f_one_b_ms']:.1f} ms, so no "
         f"schedule can beat 1F1B by more than **{launch['ceiling']:.3f}x** (at F = B = 2W: {ceiling['theory']:.3f}x)."
     )
