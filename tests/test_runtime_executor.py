@@ -135,3 +135,48 @@ def test_full_grid(p: int) -> None:
     assert cases
     for case, results in zip(cases, _run(cases, p, timeout_s=1500)):
         _assert_matches_reference(case, results)
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2, 3])
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "interleaved-1f1b", "v-min"])
+def test_prepost_windows_post_each_receive_in_order_and_at_most_ahead_actions_early(name: str, ahead: int) -> None:
+    from zb_pipeline.runtime.executor import prepost_windows
+
+    p, m = 3, 6
+    chunks = get(name).default_chunks
+    lowered = lower(generate(name, p, m, chunks=chunks))
+    for rank in range(p):
+        steps = lowered.ranks[rank]
+        windows = prepost_windows(steps, ahead)
+        assert len(windows) == len(steps)
+        posted_at: dict = {}
+        for j, picked in enumerate(windows):
+            assert not picked or type(steps[j]) is CommBatch
+            for a in picked:
+                posted_at.setdefault(a, j)  # the first window that holds it posts it
+        computes_before = [sum(type(s) is not CommBatch for s in steps[:j]) for j in range(len(steps) + 1)]
+        planned = [(j, a) for j, s in enumerate(steps) if type(s) is CommBatch for a in s.actions
+                   if a.kind in (Kind.RECV_F, Kind.RECV_B)]  # fmt: skip
+        # The plan's order of receives is kept: a later receive is never posted at an earlier batch than an earlier
+        # one (a batch posts its own receives first, then the ones it posts ahead, in plan order).
+        at = [posted_at.get(a, j) for j, a in planned]
+        assert at == sorted(at)
+        for j, a in planned:
+            if a in posted_at:
+                assert posted_at[a] < j
+                assert computes_before[j] - computes_before[posted_at[a]] <= ahead
+        if ahead == 0:
+            assert not posted_at
+
+
+def test_prepost_two_ahead_covers_the_last_stage_of_1f1b() -> None:
+    """1F1B's last stage runs F(i), BW(i), then the batch {SEND_B(i), RECV_F(i + 1)} in the steady state: that
+    receive is posted at the batch before F(i) with two actions ahead, and only in its own batch with one."""
+    from zb_pipeline.runtime.executor import PREPOST_AHEAD, prepost_windows
+
+    assert PREPOST_AHEAD == 2
+    steps = lower(generate("1f1b", 2, 4)).ranks[1]
+    recv_next = {a for s in steps if type(s) is CommBatch for a in s.actions if a.kind is Kind.RECV_F}
+    early = {a for picked in prepost_windows(steps, 2) for a in picked}
+    assert {a.microbatch for a in recv_next & early} == {1, 2, 3}
+    assert {a.microbatch for picked in prepost_windows(steps, 1) for a in picked} == {1}  # the warm-up's only

@@ -196,9 +196,9 @@ class PipelineP2P:
 
         gloo moves a message only once its receive is posted (the sender waits for the receiver's ready
         notice), so a receive posted just before its consumer runs pays that extra round trip after the data
-        was ready.  Posted one action ahead, the transfer overlaps the compute.  The caller keeps the plan's order
-        of receives per peer (every receive of the earlier batches is already posted) and never crosses a point
-        where ``drain`` may run.
+        was ready.  Posted ahead (the executor: up to ``PREPOST_AHEAD`` compute actions), the transfer overlaps the
+        compute.  The caller keeps the plan's order of receives per peer (every receive of the earlier batches is
+        already posted) and never crosses a point where ``drain`` may run.
         """
         if not self.can_prepost:
             raise RuntimeError("prepost needs gloo without the checking mode (see can_prepost)")
