@@ -334,7 +334,7 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         rows: list[dict] = []
         base_rows: list[dict] = []
         first: dict | None = None
-        ceiling: dict | None = None  # the ceiling of ZB-H2's first launch (else another split schedule's)
+        ceilings: dict[str, dict] = {}  # per split-backward schedule: the ceiling of its first launch
         for name in others + [f"torch:{t}" for t in torch_names]:
             ours, theirs = (["1f1b", name], []) if not name.startswith("torch:") else (["1f1b"], [name[6:]])
             pairs: list[tuple[list[float], list[float]]] = []
@@ -351,11 +351,9 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
                 first = first or agg
                 row = row or next(r for r in agg["rows"] if r["schedule"] == name)
                 base_rows.append(next(r for r in agg["rows"] if r["schedule"] == "1f1b"))
-                own_cap = agg["ceiling"]["own"]
-                if own_cap and own_cap["from"] == name:  # this pair's 1F1B and this schedule's own costs
-                    row.setdefault("launch_ceilings", []).append(own_cap["ceiling"])
-                    if ceiling is None or (name == "zb-h2" and ceiling["own"]["from"] != "zb-h2"):
-                        ceiling = agg["ceiling"]
+                if agg["ceiling"]["own"]:  # a split-backward loop schedule: this pair's 1F1B, its own costs
+                    row.setdefault("launch_ceilings", []).append(agg["ceiling"]["own"]["ceiling"])
+                    ceilings.setdefault(name, agg["ceiling"])
             assert row is not None
             if launches > 1:
                 ratio, lo, hi = bootstrap_launches(pairs)
@@ -377,8 +375,9 @@ def run_real(model: Any, ms: Sequence[int], runs: int, torch_names: list[str], l
         base["runs"] = sum(r["runs"] for r in base_rows)
         _log_real_row(log, m, base)
         assert first is not None
+        ceiling = ceilings.get("zb-h2") or next(iter(ceilings.values()), first["ceiling"])
         out["by_m"][str(m)] = {"rows": [base, *rows], "profiles": first["profiles"], "latency_ms": first["latency_ms"],
-                               "ceiling": ceiling or first["ceiling"]}  # fmt: skip
+                               "ceiling": ceiling}  # fmt: skip
     return out
 
 
@@ -477,11 +476,11 @@ def speedup_ceiling(launch_profile: Profile, rows: list[dict], plans: dict[str, 
     def one_pass(split: Profile, fused: Profile) -> dict[str, float]:
         bound = iteration_lower_bound(split.to_stage_costs(stage_to_rank=place, overhead=True), place, m)
         end = simulate(fixed_1f1b, fused.to_stage_costs(stage_to_rank=place, fused=True, overhead=True)).end_time
-        return {"bound_ms": bound.time, "bound_rank": bound.rank, "one_f_one_b_ms": end, "ceiling": end / bound.time}
+        return {"bound_ms": bound.time, "bound_rank": bound.rank, "bound_reason": bound.reason, "one_f_one_b_ms": end,
+                "ceiling": end / bound.time}  # fmt: skip
 
-    out: dict[str, Any] = {"launch": one_pass(launch_profile, launch_profile), "own": None, "theory": None,
-                           "split_end_ms": {}}  # fmt: skip
-    out["theory"] = theory_ceiling(p, m)
+    out: dict[str, Any] = {"launch": one_pass(launch_profile, launch_profile), "own": None,
+                           "theory": theory_ceiling(p, m), "split_end_ms": {}}  # fmt: skip
     by_name = {r["schedule"]: r for r in rows if "own_profile" in r}
     split_rows = [by_name[n] for n in ("zb-h2", "zb-h1", "zb-auto") if n in by_name]
     if "1f1b" in by_name and split_rows:

@@ -394,7 +394,11 @@ def prepost_windows(steps: Sequence[object], ahead: int) -> tuple[tuple[Action, 
     """For each step index ``j`` of a rank's lowered plan holding a batch: the receives to post right after it, ahead
     of their own batches -- every receive in the batches before the ``ahead + 1``-th compute action after ``j``, so
     each one is posted up to ``ahead`` compute actions earlier than the plan's batches would post it, and the
-    per-peer order of receives stays the plan's (whole batches are taken in plan order).  ``ahead = 0``: none."""
+    per-peer order of receives stays the plan's (whole batches are taken in plan order).  ``ahead = 0``: none.
+
+    Windows overlap on purpose: a receive may appear in several (``PipelineP2P.prepost`` posts it once).  The
+    executor skips the windows before its post-validation replay point, and a later window must then still hold the
+    skipped receives, or it would post a later receive ahead of an earlier one from the same peer."""
     if ahead < 0:
         raise ValueError(f"prepost ahead={ahead} must be >= 0")
     out: list[tuple[Action, ...]] = []
