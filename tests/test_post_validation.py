@@ -127,7 +127,7 @@ def _run(rank: int, case: PVCase, with_pv: bool) -> dict:
         validator = PostValidator(
             opt, pp_rank=rank, pp_size=case.p, on_validated=lambda v: records.append(_record(opt))
         )
-        validator.install(ex)
+        validator.attach(ex)
     if tracer is not None:
         tracer.align()
     losses = []

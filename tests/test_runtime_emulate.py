@@ -40,7 +40,7 @@ def _emulated_rank(rank: int, world_size: int, name: str, m: int, costs_text: st
         lowered, rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda out, mb: None, tracer=tracer
     )
     emu = EmulatedCompute(EmulatedCosts.parse(costs_text), chunks=sched.chunks, boundary_specs=specs)
-    emu.install(ex)
+    emu.attach(ex)
     iteration_s = []
     for it in range(ITERATIONS):
         tracer.align()  # barrier: every rank starts the iteration together

@@ -87,7 +87,7 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
             lower(sched), rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda o, mb: None, tracer=tracer
         )
         emu = EmulatedCompute(EMU_COSTS, chunks=sched.chunks, boundary_specs=specs)
-        emu.install(ex)
+        emu.attach(ex)
         spans, iters, sends, waits = [], [], [], []
         for it in range(iterations):
             tracer.align()

@@ -129,7 +129,7 @@ def _rank(rank: int, world: int, schedule: str, m: int, runs: int, iterations: i
                 stages = {s: torch.nn.Identity() for s in sched.stages_of(rank)}
                 ex = PipelineExecutor(lowered, rank, stages, p2p=p2p, input_fn=_zeros, loss_fn=_sum)
                 emu = EmulatedCompute(emu_costs, chunks=sched.chunks, boundary_specs=spec)
-                emu.install(ex)
+                emu.attach(ex)
                 param = torch.nn.Parameter(torch.zeros(PARAMS))
                 param.main_grad = torch.zeros(PARAMS)
                 opt = EmulatedStepOptimizer(
@@ -139,7 +139,7 @@ def _rank(rank: int, world: int, schedule: str, m: int, runs: int, iterations: i
                 validator = None
                 if mode == "post-validated":
                     validator = PostValidator(opt, pp_rank=rank, pp_size=p)
-                    validator.install(ex)
+                    validator.attach(ex)
                 dist.barrier()
                 starts = []
                 for it in range(iterations + 2):

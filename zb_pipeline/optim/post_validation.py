@@ -180,7 +180,7 @@ class Validation:
 class PostValidator:
     """One pipeline rank's post-validated optimizer step (module docstring).
 
-    ``install(executor)`` wires the plan's ``SEND_PV``/``RECV_PV`` actions to it; ``on_validated(validation)`` is
+    ``attach(runtime)`` wires the plan's ``SEND_PV``/``RECV_PV`` actions to it; ``on_validated(validation)`` is
     called after each validation (the trainer logs it; tests record the parameters there).
     """
 
@@ -290,13 +290,13 @@ class PostValidator:
         )
 
     # -- the plan's SEND_PV / RECV_PV actions ------------------------------------------------------------------
-    def install(self, executor: Any) -> None:
-        """Register the handlers of the post-validation actions on a ``PipelineExecutor``."""
-        executor.handlers[Kind.SEND_PV] = self._send_handler
-        executor.handlers[Kind.RECV_PV] = _no_payload
-        executor.after_post[Kind.RECV_PV] = self._received
-        executor.on_iteration_start.append(self._iteration_start)
-        executor.on_iteration_end.append(self._iteration_end)
+    def attach(self, target: Any) -> None:
+        """Register the post-validation actions' handlers and hooks on a ``PipelineRuntime`` or ``PipelineExecutor``."""
+        target.set_handler(Kind.SEND_PV, self._send_handler)
+        target.set_handler(Kind.RECV_PV, _no_payload)
+        target.hooks.add_after_post(Kind.RECV_PV, self._received)
+        target.hooks.iteration_start.append(self._iteration_start)
+        target.hooks.iteration_end.append(self._iteration_end)
 
     def _iteration_start(self, executor: Any) -> None:
         self._partial = self._total = None

@@ -8,7 +8,7 @@ Each action sleeps until an absolute deadline: it starts at the end of the previ
 input arrived if it had to wait for it, and ends ``cost`` later.  Oversleeping one action is therefore made up by
 the next instead of accumulating over the iteration, so the measured span tracks the simulator's makespan.
 
-The handlers plug into ``PipelineExecutor.handlers`` (``EmulatedCompute(costs, chunks).install(executor)``) and use
+The handlers replace the compute handlers of a runtime or executor (``EmulatedCompute(costs, chunks).attach(runtime)``) and use
 the executor's own plumbing (``fetch_input``, ``deliver_output``, ...), so the plan, the P2P layer, the local
 hand-offs of V placement, the end-of-iteration checks and the trace all behave exactly as in a real run.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,13 +86,14 @@ class EmulatedCompute:
         self.buffers = [torch.zeros(spec.shape, dtype=spec.dtype) for spec in boundary_specs]
         self.deadline = 0.0
 
-    def install(self, ex: PipelineExecutor) -> None:
-        """Replace ``ex``'s compute handlers by sleeping ones."""
-        ex.handlers[Kind.F] = self._forward
-        ex.handlers[Kind.B] = self._b
-        ex.handlers[Kind.W] = self._w
-        ex.handlers[Kind.BW] = self._bw
-        ex.on_iteration_start.append(self.start_iteration)
+    def attach(self, target: Any) -> None:
+        """Replace the compute handlers of ``target`` (a ``PipelineRuntime`` or ``PipelineExecutor``) by sleeping
+        ones."""
+        target.set_handler(Kind.F, self._forward)
+        target.set_handler(Kind.B, self._b)
+        target.set_handler(Kind.W, self._w)
+        target.set_handler(Kind.BW, self._bw)
+        target.hooks.iteration_start.append(self.start_iteration)
 
     def start_iteration(self, ex: PipelineExecutor | None = None) -> None:
         self.deadline = time.perf_counter()

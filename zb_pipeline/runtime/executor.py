@@ -4,8 +4,9 @@
                                 input_fn=lambda mb: tokens[mb], loss_fn=lambda out, mb: criterion(out, mb))
     losses = executor.run()          # per-microbatch losses on the rank that holds the last stage
 
-Dispatch is by ``Kind`` through ``executor.handlers`` (a plain dict a user may extend or override, e.g. with an
-overlapped F-and-B kind).  A compute handler is ``fn(executor, action) -> None``; a communication handler is called
+Dispatch is by ``Kind`` through the handler table: ``set_handler(kind, fn)`` registers a new kind (e.g. an
+overlapped F-and-B action) or replaces one, ``wrap_handler(kind, wrapper)`` wraps one; the other extension points are
+the named hook lists in ``executor.hooks`` (``zb_pipeline.runtime.hooks``).  A compute handler is ``fn(executor, action) -> None``; a communication handler is called
 for every op of a ``CommBatch`` when the batch is posted and returns the tensor a send moves (``None`` for
 receives, whose buffers the P2P layer allocates from the boundary specs and which are consumed by ``take``).
 
@@ -48,6 +49,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from zb_pipeline.runtime.generic_split import GenericSplit
+from zb_pipeline.runtime.hooks import ExecutorHooks
 from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
 from zb_pipeline.schedule.ir import Action, Kind
@@ -97,11 +99,6 @@ class PipelineExecutor:
         if not 0 <= rank < sched.num_ranks:
             raise ValueError(f"{rank=} is outside the plan's ranks 0..{sched.num_ranks - 1}")
         mine = sched.stages_of(rank)
-        if set(stages) != set(mine):
-            raise ValueError(
-                f"rank {rank} holds virtual stages {list(mine)} in plan {sched.name!r}, but stage modules were given "
-                f"for {sorted(stages)}"
-            )
         if split not in SPLIT_MODES:
             raise ValueError(f"{split=} must be one of {SPLIT_MODES}")
         if 0 in mine and input_fn is None:
@@ -115,37 +112,85 @@ class PipelineExecutor:
         self.steps = lowered.ranks[rank]
         self.num_stages, self.num_microbatches = sched.num_stages, sched.num_microbatches
         self.owner = sched.stage_to_rank
-        self.stages = dict(stages)
         self.p2p, self.tracer = p2p, tracer
         self.store = store if store is not None else WeightGradStore()
         self.input_fn, self.loss_fn = input_fn, loss_fn
         self.forward_fn = forward_fn or _default_forward
+        self._split_mode = split
+        self.stages: dict[int, torch.nn.Module] = {}
         # Per stage: None = deferrable layers + plain backward inside store.defer; else a GenericSplit.
         self._split: dict[int, GenericSplit | None] = {}
-        for s, module in self.stages.items():
-            bind_weight_grad_store(module, self.store)
-            generic = split == "generic" or (split == "auto" and not _has_deferrable_layers(module))
-            self._split[s] = GenericSplit(module, self.store) if generic else None
+        self._bind_stages(stages)
         self.handlers: dict[Kind, Handler] = dict(DEFAULT_HANDLERS)
-        self.on_iteration_start: list[Callable[[PipelineExecutor], None]] = []  # hooks (e.g. emulated compute)
-        # Called for each op of a CommBatch of these kinds right after the batch was posted (e.g. RECV_PV: consume
-        # the post-validation state before the next step; ``zb_pipeline.optim.post_validation``).
-        self.after_post: dict[Kind, Handler] = {}
+        self.hooks = ExecutorHooks()
+        self.on_iteration_start = self.hooks.iteration_start  # the same lists, by their older names
+        self.on_iteration_end = self.hooks.iteration_end
         # Iteration state, keyed by stage * m + microbatch.
         self._saved: dict[int, tuple[torch.Tensor | None, Any]] = {}  # F -> B: (input leaf, output root)
         self._local_act: dict[int, torch.Tensor] = {}  # input of stage s handed over from s - 1 on this rank
         self._local_grad: dict[int, torch.Tensor] = {}  # output gradient of stage s from s + 1 on this rank
         self._to_send: dict[tuple[Kind, int], torch.Tensor] = {}  # (SEND_F/SEND_B, key) -> tensor
         self._pending_w: set[int] = set()
+        self._w_done: dict[int, int] = {}  # stage -> W/BW actions run this iteration (stage_grads_final)
         self.losses: list[torch.Tensor | None] = []
         self.iteration = 0
-        self.on_iteration_end: list[Callable[[PipelineExecutor], None]] = []  # checks before the P2P finish
         self.replay_requested = False
         self.replays = 0  # iterations replayed (post-validation changed the weights their first forwards used)
         self._replay_cache: tuple[Any, int | None] = (None, None)
         self._prepost_cache: tuple[Any, int, tuple[tuple[Action, ...], ...]] = (None, 0, ())
         # On gloo, receives are posted up to this many compute actions before their own batch (``_prepost_plan``).
         self.prepost_ahead = PREPOST_AHEAD
+
+    # -- extension interface ----------------------------------------------------------------------------------
+    def set_handler(self, kind: Kind, handler: Handler) -> None:
+        """Run ``handler(executor, action)`` for actions of ``kind`` (a new kind, or replacing a built-in one)."""
+        self.handlers[kind] = handler
+
+    def wrap_handler(self, kind: Kind, wrapper: Callable[[Handler], Handler]) -> None:
+        """Replace the handler of ``kind`` by ``wrapper(current_handler)``."""
+        if kind not in self.handlers:
+            raise KeyError(f"no handler for action kind {kind} to wrap; register one with set_handler")
+        self.handlers[kind] = wrapper(self.handlers[kind])
+
+    def load_plan(self, lowered: LoweredSchedule) -> None:
+        """Run ``lowered`` from the next iteration on (between iterations).  It must keep this rank's stages; the
+        microbatch count may change.  Calls the ``plan_changed`` hooks."""
+        sched = lowered.schedule
+        if sched.num_ranks != self.lowered.schedule.num_ranks or tuple(sched.stage_to_rank) != tuple(self.owner):
+            old = self.lowered.schedule
+            raise ValueError(
+                f"cannot switch from {old.name!r} to {sched.name!r}: the new plan must keep p={old.num_ranks} and "
+                f"the placement {list(old.stage_to_rank)}"
+            )
+        self.lowered = lowered
+        self.steps = lowered.ranks[self.rank]
+        self.num_microbatches = sched.num_microbatches
+        for hook in self.hooks.plan_changed:
+            hook(lowered)
+
+    def use_steps(self, steps: tuple) -> None:
+        """Run ``steps`` (a variant of this rank's part of the loaded plan, e.g. with the post-validation chain
+        placed elsewhere) from the next iteration on."""
+        self.steps = steps
+
+    def replace_stages(self, stages: Mapping[int, torch.nn.Module]) -> None:
+        """Run other modules for this rank's stages from the next iteration on (between iterations)."""
+        self._bind_stages(stages)
+
+    def _bind_stages(self, stages: Mapping[int, torch.nn.Module]) -> None:
+        mine = self.lowered.schedule.stages_of(self.rank)
+        if set(stages) != set(mine):
+            raise ValueError(
+                f"rank {self.rank} holds virtual stages {list(mine)} in plan {self.lowered.schedule.name!r}, but "
+                f"stage modules were given for {sorted(stages)}"
+            )
+        self.stages = dict(stages)
+        self._split = {}
+        for s, module in self.stages.items():
+            bind_weight_grad_store(module, self.store)
+            mode = self._split_mode
+            generic = mode == "generic" or (mode == "auto" and not _has_deferrable_layers(module))
+            self._split[s] = GenericSplit(module, self.store) if generic else None
 
     # -- the loop ---------------------------------------------------------------------------------------------
     def run(self, iteration: int | None = None) -> list[torch.Tensor]:
@@ -162,6 +207,7 @@ class PipelineExecutor:
         replay_at = self._replay_point()
         rng = _capture_rng() if replay_at is not None else None
         self.replay_requested = False
+        self._w_done = {}
         for hook in self.on_iteration_start:
             hook(self)
         try:
@@ -182,7 +228,8 @@ class PipelineExecutor:
 
     def _execute(self, steps: tuple, replay_at: int | None) -> bool:
         """Run ``steps``; True if a replay was requested by the time the replay point was reached."""
-        handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.after_post
+        handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.hooks.after_post
+        grads_final = self.hooks.stage_grads_final
         ahead = self._prepost_plan(steps) if p2p is not None and p2p.can_prepost else None
         first_ahead = 0 if replay_at is None else replay_at  # never post ahead across the replay point's cut
         computed = False
@@ -193,8 +240,7 @@ class PipelineExecutor:
                     p2p.prepost(ahead[j])
                 if after_post:
                     for a in step.actions:
-                        hook = after_post.get(a.kind)
-                        if hook is not None:
+                        for hook in after_post.get(a.kind, ()):
                             hook(self, a)
                 if j + 1 == replay_at and self.replay_requested:
                     if computed:
@@ -211,7 +257,16 @@ class PipelineExecutor:
                 t0 = time.perf_counter()
                 handler(self, step)
                 tracer.compute(step, t0, time.perf_counter())
+            if grads_final and (step.kind is Kind.W or step.kind is Kind.BW):
+                self._count_weight_grads(step.stage)
         return False
+
+    def _count_weight_grads(self, stage: int) -> None:
+        done = self._w_done.get(stage, 0) + 1
+        self._w_done[stage] = done
+        if done == self.num_microbatches:
+            for hook in self.hooks.stage_grads_final:
+                hook(stage)
 
     def _prepost_plan(self, steps: tuple) -> tuple[tuple[Action, ...], ...]:
         """``prepost_windows(steps, self.prepost_ahead)``, cached per plan."""
@@ -243,6 +298,7 @@ class PipelineExecutor:
         self._local_grad.clear()
         self._to_send.clear()
         self._pending_w.clear()
+        self._w_done = {}
         self.store.assert_empty()  # no backward ran before the replay point
         self.losses = [None] * self.num_microbatches
         _restore_rng(rng)
@@ -293,11 +349,14 @@ class PipelineExecutor:
         """The input of F ``a``: the microbatch on stage 0, a local hand-off, or the received activation."""
         s, mb = a.stage, a.microbatch
         if s == 0:
-            return self.input_fn(mb)
-        key = s * self.num_microbatches + mb
-        if self.owner[s - 1] == self.rank:
-            return self._local_act.pop(key)
-        return self.p2p.take(Kind.RECV_F, s, mb, a)
+            x = self.input_fn(mb)
+        elif self.owner[s - 1] == self.rank:
+            x = self._local_act.pop(s * self.num_microbatches + mb)
+        else:
+            x = self.p2p.take(Kind.RECV_F, s, mb, a)
+        for hook in self.hooks.input_ready:
+            hook(a)
+        return x
 
     def deliver_output(self, a: Action, out: torch.Tensor) -> None:
         """Hand F ``a``'s output to stage ``s + 1``: locally (as a fresh leaf) or queued for its SEND_F."""
@@ -312,10 +371,14 @@ class PipelineExecutor:
         """The gradient of B ``a``'s output: None on the last stage (the loss), local, or received."""
         s, mb = a.stage, a.microbatch
         if s == self.num_stages - 1:
-            return None
-        if self.owner[s + 1] == self.rank:
-            return self._local_grad.pop(s * self.num_microbatches + mb)
-        return self.p2p.take(Kind.RECV_B, s, mb, a)
+            g = None
+        elif self.owner[s + 1] == self.rank:
+            g = self._local_grad.pop(s * self.num_microbatches + mb)
+        else:
+            g = self.p2p.take(Kind.RECV_B, s, mb, a)
+        for hook in self.hooks.input_ready:
+            hook(a)
+        return g
 
     def deliver_input_grad(self, a: Action, grad: torch.Tensor) -> None:
         """Hand B ``a``'s input gradient to stage ``s - 1``: locally or queued for its SEND_B."""
@@ -327,6 +390,8 @@ class PipelineExecutor:
             self._to_send[(Kind.SEND_B, key)] = grad
 
     def save_for_backward(self, a: Action, inp: torch.Tensor | None, root: Any) -> None:
+        for hook in self.hooks.saved_for_backward:
+            hook(a, inp, root)
         self._saved[a.stage * self.num_microbatches + a.microbatch] = (inp, root)
 
     def pop_saved(self, a: Action) -> tuple[torch.Tensor | None, Any]:

@@ -131,11 +131,7 @@ def switch_plan(executor: PipelineExecutor, schedule: Schedule) -> LoweredSchedu
     from zb_pipeline.schedule.validate import validate, validate_lowered
 
     old = executor.lowered.schedule
-    if (
-        schedule.num_ranks != old.num_ranks
-        or tuple(schedule.stage_to_rank) != tuple(old.stage_to_rank)
-        or schedule.num_microbatches != old.num_microbatches
-    ):
+    if schedule.num_microbatches != old.num_microbatches:
         raise ValueError(
             f"cannot switch from {old.name!r} to {schedule.name!r}: the new plan must keep p={old.num_ranks}, "
             f"m={old.num_microbatches} and the placement {list(old.stage_to_rank)}"
@@ -144,8 +140,7 @@ def switch_plan(executor: PipelineExecutor, schedule: Schedule) -> LoweredSchedu
     if has_post_validation(executor.lowered):  # keep the optimizer post-validation chain of the running plan
         lowered = add_post_validation(lowered)
         validate_lowered(lowered)
-    executor.lowered = lowered
-    executor.steps = lowered.ranks[executor.rank]
+    executor.load_plan(lowered)  # checks p and the placement
     return lowered
 
 
@@ -249,24 +244,20 @@ class ActionProfiler:
         ex = self.ex
         for kind in _COMPUTE:
             if kind in ex.handlers:
-                ex.handlers[kind] = self._wrap(kind, ex.handlers[kind])
-        for name in ("fetch_input", "fetch_output_grad"):
-            inner = getattr(ex, name)
-            setattr(ex, name, self._wrap_fetch(inner))
+                ex.wrap_handler(kind, lambda inner, kind=kind: self._wrap(kind, inner))
+        ex.hooks.input_ready.append(self._input_ready)
         if self.memory == "saved-tensors":
-            ex.save_for_backward = self._capture_root(ex.save_for_backward)  # type: ignore[method-assign]
+            ex.hooks.saved_for_backward.append(self._capture_root)
         store = ex.store
-        inner_submit = store.submit
 
-        def submit(work: Callable[[], None]) -> None:
+        def submitted(work: Callable[[], None]) -> None:
             # Only work from this executor's own profiled actions: the store may be shared with other executors
             # (a benchmark running several plans over the same stages), which would otherwise be held here forever.
             if self.active and self._in_action and self.memory == "saved-tensors" and store.active_key is not None:
                 self._work.setdefault(store.active_key, []).append(work)
-            inner_submit(work)
 
-        store.submit = submit  # type: ignore[method-assign]
-        ex.on_iteration_start.append(self._begin_iteration)
+        store.on_submit.append(submitted)
+        ex.hooks.iteration_start.append(self._begin_iteration)
 
     def _begin_iteration(self, ex: PipelineExecutor) -> None:
         self._close_iteration()
@@ -296,14 +287,9 @@ class ActionProfiler:
             return ev
         return time.perf_counter()
 
-    def _wrap_fetch(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def fetch(a: Any) -> Any:
-            got = inner(a)
-            if self._in_action:
-                self._start = self._now()  # the action's own work starts once its input is here
-            return got
-
-        return fetch
+    def _input_ready(self, a: Any) -> None:
+        if self._in_action:
+            self._start = self._now()  # the action's own work starts once its input is here
 
     def _wrap(self, kind: Kind, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def handler(ex: Any, a: Any) -> Any:
@@ -339,13 +325,9 @@ class ActionProfiler:
 
         return handler
 
-    def _capture_root(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def save_for_backward(a: Any, inp: Any, root: Any) -> None:
-            if self.active:
-                self._roots[(a.stage, a.microbatch)] = root
-            inner(a, inp, root)
-
-        return save_for_backward
+    def _capture_root(self, a: Any, inp: Any, root: Any) -> None:
+        if self.active:
+            self._roots[(a.stage, a.microbatch)] = root
 
     def _resident(self, key: tuple[int, int]) -> float:
         """Bytes of the distinct live storages microbatch ``key`` holds: saved in F, or held by its W work."""

@@ -36,6 +36,8 @@ class WeightGradStore:
     def __init__(self) -> None:
         self._queues: dict[WeightGradKey, list[WeightGradWork]] = {}
         self._active: WeightGradKey | None = None
+        # Called with each work item queued under a key (before it is queued): the profiler's memory accounting.
+        self.on_submit: list[Callable[[WeightGradWork], None]] = []
 
     # -- B side -------------------------------------------------------------------------------------------------
     @contextmanager
@@ -67,6 +69,8 @@ class WeightGradStore:
         if key is None:
             work()
             return
+        for hook in self.on_submit:
+            hook(work)
         queue = self._queues.get(key)
         if queue is None:
             self._queues[key] = [work]
