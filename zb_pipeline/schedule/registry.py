@@ -1,13 +1,19 @@
-"""The named registry of schedule generators.
+"""The named registry of schedule generators: the one source of schedule facts.
 
 A generator is a pure function ``fn(p, m, *, chunks, costs, mem_limit) -> Schedule`` over integers and costs.
-Built-in generator modules register themselves on import; ``generate`` is the one entry point the CLI, the tests
-and the trainer call.
+Its registry entry says everything else about it -- the chunk counts it allows, its placement, whether its plan
+depends on the costs, the peak activation memory it states, whether it takes a memory limit, and the help text
+-- and the trainer's flags, the CLI, the simulator, the profiler and the benchmarks ask the registry.  Adding a
+schedule is one generator module plus its ``@register`` line (listed in ``_BUILTIN_MODULES`` for a built-in one).
+
+``generate`` is the one entry point; a plan is generated once per (name, shape, costs, memory limit) and cached
+(plans are immutable, so the cache is invisible except in time).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,8 +33,15 @@ class GeneratorSpec:
     chunks: tuple[int, ...] | None  # supported chunk counts; None = any >= 1
     default_chunks: int
     placement: str  # "loop" or "v"
-    description: str
+    description: str  # one line: the CLI's and the trainer's help text
     uses_costs: bool = False  # the plan depends on the stage costs (re-planned from profiled costs by the trainer)
+    # Peak activation memory the schedule states, per rank, in microbatches of the rank's own share: fn(p, m).
+    memory_bound: Callable[[int, int], float] | None = None
+    takes_mem_limit: bool = True  # a memory limit shapes or checks the plan (False: the schedule fixes its own)
+
+    def stated_memory_bound(self, num_ranks: int, num_microbatches: int) -> float | None:
+        """The peak activation memory this schedule states (``None``: none stated)."""
+        return None if self.memory_bound is None else float(self.memory_bound(num_ranks, num_microbatches))
 
 
 _REGISTRY: dict[str, GeneratorSpec] = {}
@@ -43,16 +56,22 @@ def register(
     placement: str = "loop",
     description: str = "",
     uses_costs: bool = False,
+    memory_bound: Callable[[int, int], float] | None = None,
+    takes_mem_limit: bool = True,
 ) -> Callable[[GeneratorFn], GeneratorFn]:
-    """Decorator: add a generator under ``name``; ``uses_costs``: its plan depends on the ``costs`` it is given
-    (not only the memory limit), so a profiling window re-plans it from measured costs."""
+    """Decorator: add a generator under ``name`` (the fields of ``GeneratorSpec``).  ``uses_costs``: its plan
+    depends on the ``costs`` it is given (not only the memory limit), so a profiling window re-plans it from measured
+    costs; ``memory_bound(p, m)``: the peak activation memory it states, in microbatches of a rank's share."""
 
     def deco(fn: GeneratorFn) -> GeneratorFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
             raise ValueError(f"schedule {name!r} is registered twice")
         dc = default_chunks if default_chunks is not None else (chunks[0] if chunks else 1)
         doc = description or (fn.__doc__ or "").strip()
-        _REGISTRY[name] = GeneratorSpec(name, fn, chunks, dc, placement, doc, uses_costs)
+        if placement not in ("loop", "v"):
+            raise ValueError(f"schedule {name!r}: placement {placement!r} must be 'loop' or 'v'")
+        spec = GeneratorSpec(name, fn, chunks, dc, placement, doc, uses_costs, memory_bound, takes_mem_limit)
+        _REGISTRY[name] = spec
         return fn
 
     return deco
@@ -118,4 +137,22 @@ def generate(
             f"costs are given for {costs.num_stages} virtual stages, but {name!r} with p={num_ranks} and "
             f"chunks={c} has {num_ranks * c}"
         )
-    return spec.fn(num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
+    key = (name, spec.fn, num_ranks, num_microbatches, c, costs, mem_limit)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = spec.fn(num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
+
+
+def cached_plans() -> int:
+    """How many generated plans the cache holds (tests: a plan is generated once per shape, costs and limit)."""
+    return len(_PLANS)
+
+
+_PLAN_CACHE_SIZE = 256
+_PLANS: OrderedDict[tuple, Schedule] = OrderedDict()

@@ -45,7 +45,12 @@ def _schedule(name: str, p: int, m: int, chunks: int, ranks: list[list[Action]])
     )
 
 
-@register("gpipe", chunks=(1,), description="GPipe: all forwards, then all backwards (full BW); peak memory m")
+@register(
+    "gpipe",
+    chunks=(1,),
+    memory_bound=lambda p, m: m,
+    description="GPipe: all forwards, then all backwards (full BW); peak memory m",
+)
 def gpipe(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """All forwards, then all full backwards in the same microbatch order."""
     ranks = [[F(r, mb) for mb in range(m)] + [BW(r, mb) for mb in range(m)] for r in range(p)]
@@ -54,7 +59,12 @@ def gpipe(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: floa
     return sched
 
 
-@register("1f1b", chunks=(1,), description="1F1B: warm-up forwards, then one forward one backward (full BW)")
+@register(
+    "1f1b",
+    chunks=(1,),
+    memory_bound=lambda p, m: min(p, m),
+    description="1F1B: warm-up forwards, then one forward one backward (full BW)",
+)
 def one_f_one_b(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """PipeDream-flush / Megatron 1F1B with fused backward."""
     ranks = []

@@ -61,6 +61,7 @@ list scheduler's, not the handcrafted one.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -517,22 +518,38 @@ def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_lim
     return best[1]
 
 
-_V_SPEC = dict(chunks=(2,), placement="v", uses_costs=True)  # what the three V schedules register alike
+# What the three V schedules register alike: each fixes its own memory bound, so no memory limit applies.
+_V_SPEC = dict(chunks=(2,), placement="v", uses_costs=True, takes_mem_limit=False)
 
 
-@register("zb-v", **_V_SPEC, description="ZB-V: V placement, split B/W, 1F1B memory (p x M)")
+@register(
+    "zb-v",
+    **_V_SPEC,
+    memory_bound=lambda p, m: min(p, m),
+    description="ZB-V: V placement, split B/W, 1F1B memory (p x M)",
+)
 def zb_v(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """ZB-V: peak memory at most p x the rank's whole-share mem_f; small bubble (<= 1.5p chunk-F) once m >= 2p."""
     return plan_v("zb-v", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
-@register("v-half", **_V_SPEC, description="V-Half: V placement, about half of 1F1B's memory")
+@register(
+    "v-half",
+    **_V_SPEC,
+    memory_bound=lambda p, m: (p + 1) / 2,
+    description="V-Half: V placement, about half of 1F1B's memory",
+)
 def v_half(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """V-Half: peak memory at most (p + 1) / 2 x the rank's whole-share mem_f."""
     return plan_v("v-half", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
-@register("v-min", **_V_SPEC, description="V-Min: V placement, about a third of 1F1B's memory")
+@register(
+    "v-min",
+    **_V_SPEC,
+    memory_bound=lambda p, m: (math.ceil(2 * p / 3) + 1) / 2,
+    description="V-Min: V placement, about a third of 1F1B's memory",
+)
 def v_min(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """V-Min: peak memory at most (ceil(2p / 3) + 1) / 2 x the rank's whole-share mem_f."""
     return plan_v("v-min", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)

@@ -105,7 +105,12 @@ def _one_chunk(name: str, chunks: int, costs: StageCosts, p: int) -> None:
         raise ValueError(f"{name}: costs have {costs.num_stages} stages, expected p={p}")
 
 
-@register("zb-h1", chunks=(1,), description="zero-bubble H1: 1F1B memory, W fills the tail")
+@register(
+    "zb-h1",
+    chunks=(1,),
+    memory_bound=lambda p, m: min(p, m),
+    description="zero-bubble H1: 1F1B memory, W fills the tail",
+)
 def zb_h1(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """ZB-H1: 1F1B's memory (p microbatches on rank 0), bubble (p-1)(F+B-W)."""
     _one_chunk("zb-h1", chunks, costs, p)
@@ -113,7 +118,11 @@ def zb_h1(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: floa
 
 
 @register(
-    "zb-h2", uses_costs=True, chunks=(1,), description="zero-bubble H2: 2p-1 microbatches, bubble (p-1)(F+B+2c-2W)"
+    "zb-h2",
+    uses_costs=True,
+    chunks=(1,),
+    memory_bound=lambda p, m: min(2 * p - 1, m),
+    description="zero-bubble H2: 2p-1 microbatches, bubble (p-1)(F+B+2c-2W)",
 )
 def zb_h2(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """ZB-H2: 2p-1 microbatches of activation memory, bubble (p-1)(F+B+2c-2W)."""
