@@ -9,6 +9,7 @@ import pytest
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators import zb_auto as Z
+from zb_pipeline.schedule.generators import zb_auto_bound, zb_auto_family, zb_auto_passes, zb_auto_polish
 from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
 from zb_pipeline.schedule.generators.zero_bubble import zb_h1_order, zb_h2_order
 from zb_pipeline.schedule.registry import generate
@@ -61,11 +62,11 @@ def test_handcrafted_orders_are_members_of_the_family() -> None:
     # The anchors reproduce ZB-H1 and ZB-H2 action for action (so the search can express them, with c > 0 too).
     for p, m in ((1, 3), (3, 2), (4, 9), (5, 13)):
         costs = StageCosts.uniform(p, f=1.0, b=2.0, w=1.0, comm=0.3)
-        h1_pol, h2_pol = Z.anchors(p, m)
+        h1_pol, h2_pol = zb_auto_family.anchors(p, m)
         for pol, limit, ref in ((h1_pol, p, zb_h1_order(p, m)), (h2_pol, 2 * p - 1, zb_h2_order(p, m, costs))):
-            st = Z.StageArrays.of(costs, Z.resolve_mem_limit(p, costs, limit))
-            plans, _, score, _ = Z.Engine(Z._backend(None), m, st).run(pol, want_plan=True)
-            raw = Z._to_schedule(ref.name, p, m, plans)
+            st = zb_auto_passes.StageArrays.of(costs, zb_auto_bound.resolve_mem_limit(p, costs, limit))
+            plans, _, score, _ = zb_auto_passes.Engine(zb_auto_passes._backend(None), m, st).run(pol, want_plan=True)
+            raw = zb_auto_passes._to_schedule(ref.name, p, m, plans)
             # zb-h2 adds the tail rule on top (tail_order); ZB-H1's order has nothing for it to move.
             assert first_stage_tail_w_first(raw, costs).ranks == ref.ranks, (p, m, pol.label)
             assert score == pytest.approx(simulate(raw, costs).makespan, rel=1e-12)
@@ -142,7 +143,7 @@ def test_any_limit_is_respected_and_validates(limit: float | None) -> None:
 
 def test_default_limit_is_2p_minus_1_microbatches() -> None:
     costs = StageCosts.build(num_ranks=3, mem_f=[1.0, 2.0, 0.5])
-    assert Z.resolve_mem_limit(3, costs, None) == (5.0, 10.0, 2.5)
+    assert zb_auto_bound.resolve_mem_limit(3, costs, None) == (5.0, 10.0, 2.5)
 
 
 def test_zero_bubble_is_reached_when_memory_allows() -> None:
@@ -157,21 +158,23 @@ def test_evaluator_matches_simulator() -> None:
     for _ in range(5):
         p, m = rng.randint(1, 6), rng.randint(1, 14)
         costs = _random_costs(rng, p)
-        st = Z.StageArrays.of(costs, Z.resolve_mem_limit(p, costs, None))
+        st = zb_auto_passes.StageArrays.of(costs, zb_auto_bound.resolve_mem_limit(p, costs, None))
         for sched in (zb_h1_order(p, m), zb_h2_order(p, m, costs)):
-            codes = [[Z._KINDS.index(a.kind) * m + a.microbatch for a in acts] for acts in sched.ranks]
-            assert Z.evaluate_py(m, st, codes) == pytest.approx(simulate(sched, costs).makespan, rel=1e-12)
+            codes = [[zb_auto_passes._KINDS.index(a.kind) * m + a.microbatch for a in acts] for acts in sched.ranks]
+            assert zb_auto_passes.evaluate_py(m, st, codes) == pytest.approx(simulate(sched, costs).makespan, rel=1e-12)
 
 
-@pytest.mark.skipif(Z._cpp is None, reason="C++ extension not built")
+@pytest.mark.skipif(zb_auto_passes._cpp is None, reason="C++ extension not built")
 def test_cpp_and_python_give_identical_passes_and_searches() -> None:
     rng = random.Random(7)
     for _ in range(12):
         p, m = rng.randint(1, 7), rng.randint(1, 20)
         costs = _random_costs(rng, p) if rng.random() < 0.5 else StageCosts.uniform(p, f=2, b=2, w=1, comm=0.2)
-        st = Z.StageArrays.of(costs, Z.resolve_mem_limit(p, costs, rng.choice([p, 2 * p - 1, None])))
-        cpp, py = Z.Engine("cpp", m, st), Z.Engine("python", m, st)
-        family = Z.policies(p, m, costs)
+        st = zb_auto_passes.StageArrays.of(
+            costs, zb_auto_bound.resolve_mem_limit(p, costs, rng.choice([p, 2 * p - 1, None]))
+        )
+        cpp, py = zb_auto_passes.Engine("cpp", m, st), zb_auto_passes.Engine("python", m, st)
+        family = zb_auto_family.policies(p, m, costs)
         full = None
         for pol in family[:: max(1, rng.randint(3, 9))] + [pol for pol in family if pol.static]:
             got = cpp.run(pol, want_plan=True)
@@ -186,7 +189,7 @@ def test_cpp_and_python_give_identical_passes_and_searches() -> None:
         assert a.schedule == b.schedule and a.makespan == b.makespan and a.work == b.work
 
 
-def _random_valid_plan(rng: random.Random, p: int, m: int, st: Z.StageArrays) -> list[list[int]]:
+def _random_valid_plan(rng: random.Random, p: int, m: int, st: zb_auto_passes.StageArrays) -> list[list[int]]:
     """A random order that every rank can run: grown one action at a time among those whose inputs already ran."""
     nf, nb, nw, mem = [0] * p, [0] * p, [0] * p, [0.0] * p
     plans: list[list[int]] = [[] for _ in range(p)]
@@ -214,11 +217,13 @@ def test_lower_bound_holds_for_random_valid_plans(seed: int) -> None:
     for _ in range(25):
         p, m = rng.randint(1, 5), rng.randint(1, 12)
         costs = _random_costs(rng, p) if rng.random() < 0.5 else StageCosts.uniform(p, f=1, b=2, w=1, comm=0.5)
-        st = Z.StageArrays.of(costs, Z.resolve_mem_limit(p, costs, rng.choice([1, 2, p, p + 1, 2 * p - 1])))
-        bound = Z.lower_bound(m, st)
+        st = zb_auto_passes.StageArrays.of(
+            costs, zb_auto_bound.resolve_mem_limit(p, costs, rng.choice([1, 2, p, p + 1, 2 * p - 1]))
+        )
+        bound = zb_auto_bound.lower_bound(m, st)
         for _ in range(10):
             plans = _random_valid_plan(rng, p, m, st)
-            assert Z.evaluate_py(m, st, plans) >= bound - 1e-9
+            assert zb_auto_passes.evaluate_py(m, st, plans) >= bound - 1e-9
 
 
 def test_polish_keeps_plans_valid_and_never_worse() -> None:
@@ -227,13 +232,13 @@ def test_polish_keeps_plans_valid_and_never_worse() -> None:
         p, m = rng.randint(2, 4), rng.randint(2, 8)
         costs = StageCosts.uniform(p, f=1.0, b=rng.choice([1.0, 2.0]), w=rng.choice([1.0, 2.0]), comm=0.3)
         limit = rng.choice([p, p + 1])
-        st = Z.StageArrays.of(costs, Z.resolve_mem_limit(p, costs, limit))
-        eng = Z.Engine(Z._backend(None), m, st)
+        st = zb_auto_passes.StageArrays.of(costs, zb_auto_bound.resolve_mem_limit(p, costs, limit))
+        eng = zb_auto_passes.Engine(zb_auto_passes._backend(None), m, st)
         plans = _random_valid_plan(rng, p, m, st)
         before = eng.evaluate(plans)
-        plans, after, _ = Z.polish(eng, plans, before, 1e6)
+        plans, after, _ = zb_auto_polish.polish(eng, plans, before, 1e6)
         assert after <= before + 1e-9 and eng.evaluate(plans) == pytest.approx(after)
-        validate(Z._to_schedule("polished", p, m, plans), costs=costs, mem_limit=limit)
+        validate(zb_auto_passes._to_schedule("polished", p, m, plans), costs=costs, mem_limit=limit)
 
 
 # Measured on the grid of test_within_stated_gap_of_the_exact_optimum_full (p <= 3, m <= 5, limits p and p + 1,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.generators import zb_auto
+from zb_pipeline.schedule.generators import zb_auto, zb_auto_passes
 from zb_pipeline.schedule.registry import available, generate, get
 from zb_pipeline.schedule.simulate import simulate
 
@@ -107,7 +107,7 @@ def search_times(shapes: Sequence[tuple[int, int]], repeats: int) -> list[tuple]
         for kind in TIMING_KINDS:
             costs = timing_costs(p, kind.split()[0])
             for limit in (p, 2 * p):
-                zb_auto._actions_of.cache_clear()
+                zb_auto_passes._actions_of.cache_clear()
                 c0, t0 = time.process_time(), time.perf_counter()
                 res = zb_auto.search(p, m, costs, limit)
                 cold_cpu, cold_wall = time.process_time() - c0, time.perf_counter() - t0
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()
     times = search_times(shapes, 1 if args.quick else 5)
     lines += [
         "",
-        f"## zb-auto search time (backend: {'C++' if zb_auto._cpp else 'Python'})",
+        f"## zb-auto search time (backend: {'C++' if zb_auto_passes._cpp else 'Python'})",
         "",
         "Reference fork's greedy: 0.42 s (p=32, m=256) and 2.0 s (p=64, m=512), uniform costs, same 2-core machine; "
         "target at most half, with per-stage costs. The machine is shared, so CPU time (`time.process_time`) is "

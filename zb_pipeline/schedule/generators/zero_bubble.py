@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
-from zb_pipeline.schedule.generators.zb_auto import Policy, StageArrays, _backend, _run, _to_schedule, default_mem_limit
+from zb_pipeline.schedule.generators.zb_auto_bound import default_mem_limit
+from zb_pipeline.schedule.generators.zb_auto_passes import Policy, StageArrays, _backend, _run, _to_schedule
 from zb_pipeline.schedule.ir import B, F, Schedule, W, loop_placement
 from zb_pipeline.schedule.registry import register
 
