@@ -1,6 +1,6 @@
 """The trainer's side of pipeline parallelism: schedule flags and one iteration through ``zb_pipeline``'s runtime."""
 
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
-from megatron.pipeline.schedule_flags import PIPELINE_SCHEDULES, ScheduleConfig, add_schedule_args
+from megatron.pipeline.schedule_flags import ScheduleConfig, add_schedule_args
 
-__all__ = ["PIPELINE_SCHEDULES", "GPTPipeline", "ScheduleConfig", "add_schedule_args", "build_gpt_pipeline"]
+__all__ = ["GPTPipeline", "ScheduleConfig", "add_schedule_args", "build_gpt_pipeline"]

@@ -1,6 +1,6 @@
 """One training iteration's forward and backward through the zero-bubble pipeline runtime, for GPT stages.
 
-Build once per run, call once per iteration (see ``.notes/runtime_integration.md`` for how ``training.py`` uses it)::
+Build once per run, call once per iteration (``megatron.pipeline.trainer_hooks`` shows how the trainer does it)::
 
     pipe = build_gpt_pipeline(ctx, model_config, schedule_config, num_microbatches=m, micro_batch_size=b,
                               sequence_parallel=sp, seed=seed)
@@ -8,8 +8,10 @@ Build once per run, call once per iteration (see ``.notes/runtime_integration.md
     ...
     total = pipe.forward_backward(batches)  # batches[k]: {"tokens", "labels", "loss_mask"} of microbatch k
 
-Each microbatch's loss is the masked mean of the per-token loss, and ``loss / m`` is backpropagated -- exactly what
-the pp = 1 loop in ``training.py`` does, so an untied model gets bit-identical gradients.  ``forward_backward``
+``GPTPipeline`` is the GPT side of ``zb_pipeline.runtime.PipelineRuntime``: it builds the stage modules, gives the
+runtime a loss over each microbatch's batch, and passes the batches to ``runtime.run`` as an argument.  Each
+microbatch's loss is the masked mean of the per-token loss, and ``loss / m`` is backpropagated -- exactly what the
+pp = 1 loop in ``training.py`` does, so an untied model gets bit-identical gradients.  ``forward_backward``
 returns the float64 sum of the microbatch losses on *every* pipeline rank (one small all-reduce over the pipeline
 group), ready for the trainer's data-parallel mean.
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,13 +38,13 @@ from megatron.pipeline.schedule_flags import ScheduleConfig
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+from zb_pipeline.runtime.runtime import PipelineRuntime
 from zb_pipeline.runtime.trace import Tracer, gather_trace
-from zb_pipeline.runtime.weight_grad_store import WeightGradStore
-from zb_pipeline.schedule.ir import Action, F, Kind, Schedule
-from zb_pipeline.schedule.lowering import LoweredSchedule, lower
+from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.lowering import LoweredSchedule
 from zb_pipeline.schedule.plan_file import plan_to_dict
 from zb_pipeline.schedule.trace_timeline import PLAN_KEY
-from zb_pipeline.schedule.validate import ScheduleError, validate
+from zb_pipeline.schedule.validate import ScheduleError
 
 
 class PipelineModel(torch.nn.ModuleList):
@@ -71,27 +73,71 @@ TIED_OUTPUT_COPY = "output_layer.weight.tied_copy"
 
 
 @dataclass
+class MaskedMeanLoss:
+    """The loss of one microbatch: the masked mean of the last stage's per-token loss, backpropagated times the
+    loss scale over ``num_microbatches`` (the pp = 1 loop's expression, so gradients match bit for bit)."""
+
+    num_microbatches: int
+    scale: float = 1.0
+    # With ``scale_fn`` set the scale is read when each loss is computed (post-validation updates the fp16 loss
+    # scale inside the plan, before the last rank's first forward).
+    scale_fn: Callable[[], float] | None = None
+
+    def __call__(self, per_token: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = batch["loss_mask"]
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        scale = self.scale_fn() if self.scale_fn is not None else self.scale
+        return loss * scale / self.num_microbatches, loss
+
+
+def _gpt_input(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return batch["tokens"]
+
+
+@dataclass
+class _GPTForward:
+    last_stage: int
+
+    def __call__(self, module: torch.nn.Module, x: torch.Tensor, stage: int, batch: Mapping[str, Any]) -> Any:
+        if stage == self.last_stage:
+            return module(x, labels=batch["labels"])  # per-token loss [b, s]
+        return module(x)
+
+
+@dataclass
 class GPTPipeline:
-    """This rank's part of a pipelined GPT: the plan, its stage modules and the executor that runs them."""
+    """This rank's part of a pipelined GPT: its stage modules and the runtime that runs the plan over them."""
 
     ctx: ParallelContext
-    schedule: Schedule
-    lowered: LoweredSchedule
-    stages: dict[int, GPTStage]
-    executor: PipelineExecutor
+    runtime: PipelineRuntime
     model: PipelineModel  # this rank's stages in increasing order (for the reducer, optimizer, checkpoints)
+    loss: MaskedMeanLoss
     tracer: Tracer | None = None
     emulator: EmulatedCompute | None = None
-    # Multiplies each microbatch's loss before backward (with the 1/m of the mean): the fp16 loss scale.  With
-    # ``loss_scale_fn`` set it is read when the last stage computes each loss (post-validation updates the scale
-    # inside the plan, before the last rank's first forward).
-    loss_scale: float = 1.0
-    loss_scale_fn: Callable[[], float] | None = None
-    # Called with a virtual stage once its last W (or BW) of the iteration has run: its weight gradients are final.
-    on_stage_grads_final: Callable[[int], None] | None = None
-    _batches: Sequence[Mapping[str, torch.Tensor]] = field(default=(), repr=False)
-    _backward_done: dict[int, int] = field(default_factory=dict, repr=False)
-    _forward_only: PipelineExecutor | None = field(default=None, repr=False)
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.runtime.schedule
+
+    @property
+    def lowered(self) -> LoweredSchedule:
+        return self.runtime.lowered
+
+    @property
+    def executor(self) -> PipelineExecutor:
+        return self.runtime.executor
+
+    @property
+    def stages(self) -> dict[int, GPTStage]:
+        return self.runtime.stages  # type: ignore[return-value]
+
+    @property
+    def loss_scale_fn(self) -> Callable[[], float] | None:
+        return self.loss.scale_fn
+
+    @loss_scale_fn.setter
+    def loss_scale_fn(self, fn: Callable[[], float] | None) -> None:
+        self.loss.scale_fn = fn
 
     @property
     def holds_first_stage(self) -> bool:
@@ -108,50 +154,20 @@ class GPTPipeline:
         ``batches[k]`` needs ``tokens`` on the first stage's rank and ``labels``/``loss_mask`` on the last's (other
         ranks may pass anything of length ``m``).  Returns the float64 sum of the microbatch losses on every rank.
         """
-        m = self.schedule.num_microbatches
-        if len(batches) != m:
-            raise ValueError(f"got {len(batches)} microbatches, the plan has m={m}")
-        self._batches = batches
-        self._backward_done = dict.fromkeys(self.stages, 0)
-        try:
-            losses = self.executor.run(iteration)
-        finally:
-            self._batches = ()
+        self.loss.num_microbatches = len(batches)
+        losses = self.runtime.run(batches, iteration=iteration)
         if self.emulator is not None:
             self.emulator.optimizer_step()
         self.sum_tied_embedding_grads()
-        total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        if self.holds_last_stage and self.emulator is None:
-            for loss in losses:
-                total += loss.double()
-        if self.ctx.pp_group is not None:
-            dist.all_reduce(total, group=self.ctx.pp_group)
-        return total
-
-    def _weight_grads_done(self, stage: int) -> None:
-        """After every W/BW: once a stage has run all ``m`` of them its gradients are final for the iteration."""
-        done = self._backward_done[stage] + 1
-        self._backward_done[stage] = done
-        if done == self.schedule.num_microbatches and self.on_stage_grads_final is not None:
-            self.on_stage_grads_final(stage)
+        return self._sum_over_pipeline(losses if self.emulator is None else [])
 
     @torch.no_grad()
     def forward_only(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
-        """Evaluation: the float64 sum of the microbatch losses (on every pipeline rank), forward passes only.
+        """Evaluation: the float64 sum of the microbatch losses (on every pipeline rank), forward passes only."""
+        self.loss.num_microbatches = len(batches)
+        return self._sum_over_pipeline(self.runtime.forward_only(batches))
 
-        Runs a forward-only plan (every rank's F actions in microbatch order, lowered like any plan, so P2P keeps
-        the strict order and its timeouts) through a second executor that shares this one's stages and store.
-        """
-        m = self.schedule.num_microbatches
-        if len(batches) != m:
-            raise ValueError(f"got {len(batches)} microbatches, the plan has m={m}")
-        if self._forward_only is None:
-            self._forward_only = _forward_only_executor(self)
-        self._batches = batches
-        try:
-            losses = self._forward_only.run()
-        finally:
-            self._batches = ()
+    def _sum_over_pipeline(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for loss in losses:
             total += loss.double()
@@ -223,19 +239,16 @@ def build_gpt_pipeline(
     dtype: torch.dtype = torch.float32,
     costs: Any = None,
 ) -> GPTPipeline:
-    """Generate, validate and lower the plan; build this rank's GPT stages and the executor that runs them.
+    """Build this rank's GPT stages and the runtime that runs the plan over them.
 
     Bad shapes (m below what the schedule needs, layers that do not split, a plan file for another shape) raise
     ``ConfigError`` with one line at start-up, before any communication.
     """
     pp, rank = ctx.pp_size, ctx.pp_rank
+    plans = schedule_config.plan_source(pp=pp, num_layers=model_config.num_layers, costs=costs)
     schedule = schedule_config.build_schedule(
         pp=pp, num_microbatches=num_microbatches, num_layers=model_config.num_layers, costs=costs
     )
-    try:
-        lowered = validate(schedule)
-    except ScheduleError as err:
-        raise ConfigError(f"pipeline plan {schedule.name!r} is not runnable: {str(err).splitlines()[0]}") from None
     S = schedule.num_stages
     mine = schedule.stages_of(rank)
     modules = build_gpt_stages(
@@ -263,118 +276,29 @@ def build_gpt_pipeline(
         check=schedule_config.p2p_check,
         tracer=tracer,
     )
-    pipe_box: list[GPTPipeline] = []
-
-    def input_fn(mb: int) -> torch.Tensor:
-        return pipe_box[0]._batches[mb]["tokens"]
-
-    def forward_fn(module: torch.nn.Module, x: torch.Tensor, s: int, mb: int) -> torch.Tensor:
-        if s == S - 1:
-            return module(x, labels=pipe_box[0]._batches[mb]["labels"])  # per-token loss [b, s]
-        return module(x)
-
-    def loss_fn(per_token: torch.Tensor, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
-        mask = pipe_box[0]._batches[mb]["loss_mask"]
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
-        # The pp = 1 loop backpropagates loss * scale / m: the same expression gives the same gradients bit for bit.
-        pipe = pipe_box[0]
-        scale = pipe.loss_scale_fn() if pipe.loss_scale_fn is not None else pipe.loss_scale
-        return loss * scale / num_microbatches, loss
-
-    executor = PipelineExecutor(
-        lowered,
-        rank,
-        stages,
-        p2p=p2p,
-        store=WeightGradStore(),
-        input_fn=input_fn,
-        loss_fn=loss_fn,
-        forward_fn=forward_fn,
-        tracer=tracer,
-    )
+    loss = MaskedMeanLoss(num_microbatches)
+    try:
+        runtime = PipelineRuntime(
+            stages,
+            rank=rank,
+            plans=plans,
+            num_microbatches=num_microbatches,
+            comm=p2p,
+            input_fn=_gpt_input,
+            loss_fn=loss,
+            forward_fn=_GPTForward(S - 1),
+            tracer=tracer,
+        )
+    except ScheduleError as err:
+        raise ConfigError(f"pipeline plan {schedule.name!r} is not runnable: {str(err).splitlines()[0]}") from None
     emulator = None
     if schedule_config.emulate_compute:
         try:
             costs_ms = EmulatedCosts.parse(schedule_config.emulate_compute)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        emulator = EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs)
-        emulator.install(executor)
-    for kind in (Kind.W, Kind.BW):
-        executor.handlers[kind] = _counting(executor.handlers[kind], pipe_box)
+        emulator = runtime.attach(EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs))
     if tracer is not None:
         tracer.align(ctx.pp_group)
     model = PipelineModel([stages[s] for s in sorted(stages)])
-    pipe = GPTPipeline(ctx, schedule, lowered, stages, executor, model, tracer, emulator)
-    pipe_box.append(pipe)
-    return pipe
-
-
-def _counting(inner: Callable[[PipelineExecutor, Action], Any], pipe_box: list[GPTPipeline]):
-    """Wrap a W/BW handler so the pipeline learns when a stage's weight gradients are final."""
-
-    def handler(ex: PipelineExecutor, a: Action) -> None:
-        inner(ex, a)
-        pipe_box[0]._weight_grads_done(a.stage)
-
-    return handler
-
-
-def forward_only_plan(schedule: Schedule) -> Schedule:
-    """The same stages and placement, F actions only: each rank runs its forwards in (microbatch, stage) order,
-    which is a topological order of the forward dependencies, so the plan cannot deadlock."""
-    ranks = []
-    for r in range(schedule.num_ranks):
-        fs = [F(s, mb) for mb in range(schedule.num_microbatches) for s in schedule.stages_of(r)]
-        ranks.append(tuple(fs))
-    return Schedule(
-        name=f"{schedule.name}/forward-only",
-        num_ranks=schedule.num_ranks,
-        num_stages=schedule.num_stages,
-        num_microbatches=schedule.num_microbatches,
-        stage_to_rank=schedule.stage_to_rank,
-        ranks=tuple(ranks),
-    )
-
-
-def _forward_only_handler(ex: PipelineExecutor, a: Action) -> None:
-    s, mb = a.stage, a.microbatch
-    out = ex.forward_fn(ex.stages[s], ex.fetch_input(a), s, mb)
-    if s == ex.num_stages - 1:
-        got = ex.loss_fn(out, mb)
-        ex.losses[mb] = (got[1] if isinstance(got, tuple) else got).detach()
-    else:
-        ex.deliver_output(a, out)
-
-
-def _forward_only_executor(pipe: GPTPipeline) -> PipelineExecutor:
-    main, train_p2p = pipe.executor, pipe.executor.p2p
-    lowered = lower(forward_only_plan(pipe.schedule))
-    p2p = None
-    if train_p2p is not None:
-        p2p = PipelineP2P(
-            pp_rank=train_p2p.pp_rank,
-            boundary_specs=train_p2p.specs,
-            group=train_p2p.group,
-            pp_ranks=train_p2p.pp_ranks,
-            device=train_p2p.device,
-            timeout_s=train_p2p.timeout_s,
-            check=train_p2p.check,
-        )
-    ex = PipelineExecutor(
-        lowered,
-        main.rank,
-        pipe.stages,
-        p2p=p2p,
-        store=main.store,  # binding the stages to another store would divert training's deferred W work
-        input_fn=main.input_fn,
-        loss_fn=main.loss_fn,
-        forward_fn=main.forward_fn,
-    )
-    ex.handlers[Kind.F] = _forward_only_handler
-    return ex
-
-
-def word_embedding_name() -> str:
-    """The global parameter name both tied copies map to (checkpoints key on it)."""
-    return WORD_EMBEDDING
+    return GPTPipeline(ctx, runtime, model, loss, tracer, emulator)

@@ -4,7 +4,7 @@ The library side is ``zb_pipeline.optim.post_validation`` (the protocol, the cha
 ``zb_pipeline.schedule.post_validation_pass`` (where the chain sits in the plan); the executor replays an iteration
 whose warm-up forwards used weights that validation then changed.  This file is the trainer's glue:
 
-- the running plan gets the ``SEND_PV``/``RECV_PV`` chain (and keeps it when zb-auto switches plans), at the
+- the running plan gets the ``SEND_PV``/``RECV_PV`` chain (and keeps it when the runtime loads another plan), at the
   consistent cut before each rank's first backward -- or, for an iteration after a validation that changed weights
   (clipping or skipping tends to persist), in the prologue, so a run that clips every step does not replay its
   warm-up forwards every iteration;
@@ -56,36 +56,32 @@ class PostValidatedStep:
 
     def __init__(self, pipe: GPTPipeline, optimizer: MainParamOptimizer, ctx: ParallelContext) -> None:
         self.ctx = ctx
-        self.pipe = pipe
-        self.executor = pipe.executor
-        self._plans: tuple[LoweredSchedule, dict[str, tuple]] | None = None
+        self.runtime = pipe.runtime
         self.prologue_iterations = 0  # iterations that validated before their first forward (no overlap, no replay)
         self.validator = PostValidator(
             optimizer, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, on_validated=self._on_validated
         )
-        self.validator.install(pipe.executor)
-        pipe.executor.on_iteration_start.append(self._count_placement)
+        self.runtime.attach(self.validator)
+        self.runtime.hooks.iteration_start.append(self._count_placement)
+        self.runtime.hooks.plan_changed.append(self._plan_changed)  # zb-auto re-planned, or another m
         self._waiting: deque[tuple[int, float]] = deque()  # (iteration, lr) of steps taken, not yet validated
         self._settled: list[SettledStep] = []
-        self._choose_placement()
+        self._next_at = "cut"
+        self._plan_changed(self.runtime.lowered)
 
-    def _variants(self) -> dict[str, tuple]:
-        """This rank's steps with the chain at the cut and in the prologue, for the executor's current plan."""
-        ex = self.executor
-        if self._plans is None or self._plans[0] is not ex.lowered:  # first use, or zb-auto switched plans
-            plain = strip_post_validation(ex.lowered) if has_post_validation(ex.lowered) else ex.lowered
-            variants = {}
-            for at in ("cut", "prologue"):
-                lowered = add_post_validation(plain, at=at)
-                try:
-                    validate_lowered(lowered)
-                except ScheduleError as err:  # pragma: no cover - validated over every built-in plan
-                    name = plain.schedule.name
-                    raise ConfigError(f"post-validation cannot be added to plan {name!r}: {err}") from None
-                variants[at] = lowered
-            ex.lowered = self.pipe.lowered = variants["cut"]
-            self._plans = (variants["cut"], {at: lw.ranks[ex.rank] for at, lw in variants.items()})
-        return self._plans[1]
+    def _plan_changed(self, lowered: LoweredSchedule) -> None:
+        """This rank's steps with the chain at the cut and in the prologue, for the runtime's new plan."""
+        plain = strip_post_validation(lowered) if has_post_validation(lowered) else lowered
+        variants = {}
+        for at in ("cut", "prologue"):
+            chained = add_post_validation(plain, at=at)
+            try:
+                validate_lowered(chained)
+            except ScheduleError as err:  # pragma: no cover - validated over every built-in plan
+                raise ConfigError(f"post-validation cannot be added to plan {plain.schedule.name!r}: {err}") from None
+            variants[at] = chained.ranks[self.runtime.rank]
+        self._variants = variants
+        self.runtime.use_steps(variants[self._next_at])
 
     def _choose_placement(self) -> None:
         """Where the next iteration validates: at the cut (overlapping the warm-up forwards), or in the prologue when
@@ -93,9 +89,8 @@ class PostValidatedStep:
         the warm-up forwards every iteration would cost more than waiting for the chain.  The last validation is
         the same on every rank, so every rank picks the same variant."""
         last = self.validator.last
-        at = "prologue" if last is not None and last.replay else "cut"
-        self.executor.steps = self._variants()[at]
-        self._next_at = at
+        self._next_at = "prologue" if last is not None and last.replay else "cut"
+        self.runtime.use_steps(self._variants[self._next_at])
 
     def step(self, lr: float, iteration: int) -> None:
         """End of ``iteration`` (1-based): take or hold back the step from this rank's statistics alone."""
@@ -123,7 +118,7 @@ class PostValidatedStep:
 
     @property
     def replays(self) -> int:
-        return self.executor.replays
+        return self.runtime.executor.replays
 
     def summary(self) -> str:
         """For the log line: validated steps and rollbacks by cause, and replayed iterations."""

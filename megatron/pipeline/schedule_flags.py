@@ -3,7 +3,7 @@
 Flags (``add_schedule_args`` adds them to an argparse parser; ``ScheduleConfig.from_flags`` reads the parsed values
 from any mapping or namespace keyed by argparse dest names):
 
-    --pipeline-schedule {gpipe,1f1b,interleaved-1f1b,zb-h1,zb-h2,zb-auto,zb-v,v-half,v-min,interleaved-zb}
+    --pipeline-schedule NAME                  any schedule in ``zb_pipeline.schedule.registry`` (``zb-schedule list``)
     --schedule-file plan.json                 a plan exported by ``zb-schedule simulate --export`` (wins over the name)
     --num-layers-per-virtual-pipeline-stage N  chunks = num_layers / (pp x N)
 
@@ -42,23 +42,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.config.errors import ConfigError, require
+from zb_pipeline.runtime.runtime import PlanSource
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.plan_file import load_plan
 
-PIPELINE_SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "zb-h1",
-    "zb-h2",
-    "zb-auto",
-    "zb-v",
-    "v-half",
-    "v-min",
-    "interleaved-zb",
-)
 DEFAULT_SCHEDULE = "zb-h1"
-V_SCHEDULES = ("zb-v", "v-half", "v-min")
-MULTI_CHUNK_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
-V_MEM_SETUP = {"zb": "zb-v", "half": "v-half", "min": "v-min"}
+V_MEM_SETUP = {"zb": "zb-v", "half": "v-half", "min": "v-min"}  # the fork's V flag -> our schedule names
 
 
 @dataclass(frozen=True)
@@ -80,10 +69,8 @@ class ScheduleConfig:
     emulate_compute: str | None = None  # --emulate-compute F,B,W[,OPT]
 
     def __post_init__(self) -> None:
-        require(
-            self.schedule in PIPELINE_SCHEDULES,
-            f"--pipeline-schedule={self.schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}",
-        )
+        known = registry.available()
+        require(self.schedule in known, f"--pipeline-schedule={self.schedule!r} is not one of {', '.join(known)}")
         require(self.mem_limit is None or self.mem_limit > 0, f"memory limit {self.mem_limit} must be > 0")
         require(
             0 < self.adaptive_memory_percentile <= 100,
@@ -95,18 +82,19 @@ class ScheduleConfig:
         """Virtual stages per rank for this schedule on ``pp`` ranks (a plan file's own count)."""
         if self.schedule_file is not None:
             return self._load_file().chunks
-        if self.schedule in V_SCHEDULES:
-            per = self.num_layers_per_virtual_stage
+        spec = registry.get(self.schedule)
+        per = self.num_layers_per_virtual_stage
+        if spec.placement == "v":  # a V runs a fixed chunk count; the flag, if given, must agree with it
+            c = spec.default_chunks
             if per is not None:
                 require(
-                    num_layers == 2 * pp * per,
-                    f"{self.schedule} runs 2 chunks per rank: --num-layers-per-virtual-pipeline-stage {per} "
-                    f"needs --num-layers={2 * pp * per}",
+                    num_layers == c * pp * per,
+                    f"{self.schedule} runs {c} chunks per rank: --num-layers-per-virtual-pipeline-stage {per} "
+                    f"needs --num-layers={c * pp * per}",
                 )
-            return 2
-        if self.num_layers_per_virtual_stage is None:
-            return 2 if self.schedule in MULTI_CHUNK_SCHEDULES else 1
-        per = self.num_layers_per_virtual_stage
+            return c
+        if per is None:
+            return spec.default_chunks
         require(
             num_layers % (pp * per) == 0,
             f"--num-layers={num_layers} must be a multiple of pp x --num-layers-per-virtual-pipeline-stage = "
@@ -118,11 +106,9 @@ class ScheduleConfig:
         """``"v"`` or ``"loop"``: where the virtual stages live (a plan file says it itself)."""
         if self.schedule_file is not None:
             return self._load_file().placement
-        return "v" if self.schedule in V_SCHEDULES else "loop"
+        return registry.get(self.schedule).placement
 
     def _load_file(self):
-        from zb_pipeline.schedule.plan_file import load_plan
-
         try:
             return load_plan(self.schedule_file)
         except (OSError, ValueError) as err:
@@ -149,22 +135,29 @@ class ScheduleConfig:
         return plan
 
     # -- the plan ---------------------------------------------------------------------------------------------
-    def build_schedule(self, *, pp: int, num_microbatches: int, num_layers: int, costs: Any = None):
-        """The ``Schedule`` to run (validated and lowered by the caller); ``ConfigError`` with the fix on bad shapes."""
-        from zb_pipeline.schedule.registry import generate
-
+    def plan_source(self, *, pp: int, num_layers: int, costs: Any = None) -> PlanSource:
+        """Where the runtime takes its plans from: the registry's schedule for this run (any microbatch count), or
+        the plan file."""
         if self.schedule_file is not None:
-            plan = self._load_file()
+            return PlanSource.of(self._load_file())
+        chunks = self.chunks(num_layers=num_layers, pp=pp)
+        mem_limit = self.mem_limit if registry.get(self.schedule).takes_mem_limit else None
+        return PlanSource(self.schedule, num_ranks=pp, chunks=chunks, costs=costs, mem_limit=mem_limit)
+
+    def build_schedule(self, *, pp: int, num_microbatches: int, num_layers: int, costs: Any = None):
+        """The ``Schedule`` to run (generated once: the registry caches it); ``ConfigError`` with the fix on bad
+        shapes."""
+        source = self.plan_source(pp=pp, num_layers=num_layers, costs=costs)
+        if self.schedule_file is not None:
+            plan = source.fixed
             require(
                 plan.num_ranks == pp and plan.num_microbatches == num_microbatches,
                 f"--schedule-file {self.schedule_file} is for p={plan.num_ranks}, m={plan.num_microbatches}, but the "
                 f"run has --pipeline-model-parallel-size={pp} and {num_microbatches} microbatches",
             )
             return plan
-        chunks = self.chunks(num_layers=num_layers, pp=pp)
-        mem_limit = None if self.schedule in V_SCHEDULES else self.mem_limit
         try:
-            return generate(self.schedule, pp, num_microbatches, chunks=chunks, costs=costs, mem_limit=mem_limit)
+            return source.schedule(num_microbatches)
         except ValueError as err:
             raise ConfigError(f"--pipeline-schedule {self.schedule}: {str(err).splitlines()[0]}") from None
 
@@ -227,9 +220,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
-# (flag, argparse keyword arguments): the table a flag parser adds (``add_schedule_args`` does it for argparse).
-SCHEDULE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("--pipeline-schedule", dict(choices=PIPELINE_SCHEDULES, default=None, help="pipeline schedule (default zb-h1)")),
+def schedule_flags() -> tuple[tuple[str, dict[str, Any]], ...]:
+    """(flag, argparse keyword arguments): the table a flag parser adds (``add_schedule_args`` does it for argparse).
+    The schedule names are the registry's at the time the parser is built."""
+    return (
+        ("--pipeline-schedule", dict(choices=tuple(registry.available()), default=None, help=_schedule_help())),
+    ) + (_OTHER_FLAGS)
+
+
+def _schedule_help() -> str:
+    return f"pipeline schedule (default {DEFAULT_SCHEDULE})"
+
+
+_OTHER_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--schedule-file", dict(default=None, help="run this plan file (zb-schedule simulate --export)")),
     ("--num-layers-per-virtual-pipeline-stage", dict(type=_positive_int, default=None, help="layers per chunk")),
     ("--enable-zero-bubble", dict(action="store_true", help="zero-bubble fork flag: zb-auto")),
@@ -251,9 +254,9 @@ SCHEDULE_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def schedule_flag_specs() -> list[tuple[str, dict[str, Any]]]:
-    """``SCHEDULE_FLAGS`` as keyword arguments of the trainer's flag table (``megatron.arguments._FlagTable.add``)."""
+    """``schedule_flags()`` as keyword arguments of the trainer's flag table (``megatron.arguments._FlagTable.add``)."""
     out = []
-    for flag, kwargs in SCHEDULE_FLAGS:
+    for flag, kwargs in schedule_flags():
         switch = kwargs.get("action") == "store_true"
         spec: dict[str, Any] = {"help": kwargs["help"], "switch": switch}
         if not switch:
@@ -265,6 +268,6 @@ def schedule_flag_specs() -> list[tuple[str, dict[str, Any]]]:
 def add_schedule_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the pipeline-schedule flags (an argument group) to ``parser``."""
     group = parser.add_argument_group("pipeline schedule")
-    for flag, kwargs in SCHEDULE_FLAGS:
+    for flag, kwargs in schedule_flags():
         group.add_argument(flag, **kwargs)
     return parser

@@ -82,7 +82,7 @@ def attach_reducer(pipe: GPTPipeline, reducer: DataParallelReducer) -> None:
         for p in per_stage[stage]:
             reducer.mark_grad_ready(p)
 
-    pipe.on_stage_grads_final = ready
+    pipe.runtime.hooks.stage_grads_final.append(ready)
 
 
 def _batches(tr: Trainer, dataset: Any, base: int) -> list[dict[str, torch.Tensor]]:
@@ -165,7 +165,7 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     """The run's schedule re-planned from profiled costs: a ``WindowReplanner`` over
     ``--zero-bubble-pipeline-timers-start/end-iter``.
 
-    Returns ``None`` unless the run uses a built-in schedule whose plan depends on the costs (``uses_costs`` in the
+    Returns ``None`` unless the run uses a schedule whose plan depends on the costs (``uses_costs`` in the
     registry: zb-auto, zb-h2's W placement, the V schedules, interleaved-zb) with a profiling window.
     The memory limit (``--zero-bubble-max-pending-backward``) applies to zb-auto; the others keep the bound they
     state.  Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
@@ -186,7 +186,7 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
 
     save = run.checkpoint.save
     auto = cfg.schedule == "zb-auto"
-    return WindowReplanner(
+    replanner = WindowReplanner(
         pipe.executor,
         start_iter=cfg.timers_start_iter,
         end_iter=cfg.timers_end_iter,
@@ -198,12 +198,8 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
     )
+    return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
 
 
 def replan_after_iteration(pipe: GPTPipeline | None, replanner: Any, iteration: int) -> None:
-    """After iteration ``iteration`` (0-based, as given to ``forward_backward``): switch plans at the window's end."""
-    if replanner is None or pipe is None:
-        return
-    replan = replanner.after_iteration(iteration)
-    if replan is not None:
-        pipe.schedule = replan.schedule  # the executor's plan was swapped in place (same p, m and placement)
+    """Nothing left to do: the replanner runs inside the runtime (``attach_replanner``)."""

@@ -8,9 +8,10 @@ Each action sleeps until an absolute deadline: it starts at the end of the previ
 input arrived if it had to wait for it, and ends ``cost`` later.  Oversleeping one action is therefore made up by
 the next instead of accumulating over the iteration, so the measured span tracks the simulator's makespan.
 
-The handlers replace the compute handlers of a runtime or executor (``EmulatedCompute(costs, chunks).attach(runtime)``) and use
-the executor's own plumbing (``fetch_input``, ``deliver_output``, ...), so the plan, the P2P layer, the local
-hand-offs of V placement, the end-of-iteration checks and the trace all behave exactly as in a real run.
+The handlers replace the compute handlers of a runtime or executor
+(``EmulatedCompute(costs, chunks).attach(runtime)``) and use the executor's own plumbing (``fetch_input``,
+``deliver_output``, ...), so the plan, the P2P layer, the local hand-offs of V placement, the end-of-iteration checks
+and the trace all behave exactly as in a real run.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@
     losses = executor.run()          # per-microbatch losses on the rank that holds the last stage
 
 Dispatch is by ``Kind`` through the handler table: ``set_handler(kind, fn)`` registers a new kind (e.g. an
-overlapped F-and-B action) or replaces one, ``wrap_handler(kind, wrapper)`` wraps one; the other extension points are
-the named hook lists in ``executor.hooks`` (``zb_pipeline.runtime.hooks``).  A compute handler is ``fn(executor, action) -> None``; a communication handler is called
-for every op of a ``CommBatch`` when the batch is posted and returns the tensor a send moves (``None`` for
-receives, whose buffers the P2P layer allocates from the boundary specs and which are consumed by ``take``).
+overlapped F-and-B action) or replaces one, ``wrap_handler(kind, wrapper)`` wraps one; the other extension points
+are the named hook lists in ``executor.hooks`` (``zb_pipeline.runtime.hooks``).  A compute handler is
+``fn(executor, action) -> None``; a communication handler is called for every op of a ``CommBatch`` when the batch
+is posted and returns the tensor a send moves (``None`` for receives, whose buffers the P2P layer allocates from the
+boundary specs and which are consumed by ``take``).  ``PipelineRuntime`` (``zb_pipeline.runtime.runtime``) is the
+entry point built on this executor.
 
 What the built-in handlers do (stage ``s``, microbatch ``mb``, ``S`` stages):
 

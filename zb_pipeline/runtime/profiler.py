@@ -590,6 +590,7 @@ class WindowReplanner:
     profiler: ActionProfiler | None = field(default=None, init=False)
     profile: Profile | None = field(default=None, init=False)
     replan: Replan | None = field(default=None, init=False)
+    runtime: Any = field(default=None, init=False)  # set by ``attach``
 
     def __post_init__(self) -> None:
         if self.end_iter <= self.start_iter:
@@ -607,6 +608,14 @@ class WindowReplanner:
             return mem_limit_for_microbatches(profile, self.mem_limit_microbatches)
         return None
 
+    def attach(self, runtime: Any) -> None:
+        """Run inside ``runtime`` (a ``PipelineRuntime`` over this replanner's executor): called after each of its
+        iterations, the switch goes through ``runtime.switch_plan`` so the runtime keeps owning its plans."""
+        if runtime.executor is not self.executor:
+            raise ValueError("attach the WindowReplanner to the runtime whose executor it profiles")
+        self.runtime = runtime
+        runtime.after_iteration.append(self.after_iteration)
+
     def after_iteration(self, iteration: int) -> Replan | None:
         if iteration != self.end_iter - 1 or self.replan is not None:
             return None
@@ -615,7 +624,10 @@ class WindowReplanner:
         self.profile = profile
         current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
         replan = regenerate(profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit)
-        switch_plan(self.executor, replan.schedule)
+        if self.runtime is not None:
+            self.runtime.switch_plan(self.runtime.plans.replanned(costs=replan.costs, mem_limit=limit))
+        else:
+            switch_plan(self.executor, replan.schedule)
         self.replan = replan
         rank0 = self.executor.rank == 0
         if self.save_path and rank0:

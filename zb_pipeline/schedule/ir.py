@@ -9,8 +9,10 @@ Conventions for communication actions (added only by lowering, never by generato
 - ``SEND_B``: stage ``s`` sends the gradient of its input of ``mb`` to the rank of stage ``s - 1``.
 - ``RECV_B``: stage ``s`` receives the gradient of its output of ``mb`` from the rank of stage ``s + 1``.
 
-Plan files hold compute actions only; new kinds (cross-iteration communication for post-validation, overlapped
-F-and-B) are added as new ``Kind`` members without changing the string form of the existing ones.
+Plan files hold compute actions only.  Built-in kinds are ``Kind`` members; a kind declared outside this file (an
+experiment, an overlapped F-and-B action before the lowering passes know it) is registered with ``register_kind``,
+which makes it printable and parseable, and the runtime runs it through the handler registered for it
+(``PipelineRuntime.set_handler``).
 """
 
 from __future__ import annotations
@@ -50,9 +52,57 @@ class Kind(str, Enum):
 _COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 COMPUTE_KINDS: frozenset[Kind] = _COMPUTE
 
-# Longest spellings first so that "BW" is not read as "B" followed by garbage.
-_KIND_ALTERNATIVES = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
-_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATIVES})(\d+)(?:@(\d+))?$")
+
+@dataclass(frozen=True)
+class CustomKind:
+    """An action kind declared with ``register_kind`` (behaves like a ``Kind`` member where the IR reads one)."""
+
+    value: str
+    is_compute: bool = True
+
+    @property
+    def is_comm(self) -> bool:
+        return not self.is_compute
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_CUSTOM: dict[str, CustomKind] = {}
+
+
+def register_kind(spelling: str, *, compute: bool = True) -> CustomKind:
+    """Declare action kind ``spelling`` (upper-case letters and ``_``); registering the same kind twice returns it."""
+    if not re.fullmatch(r"[A-Z][A-Z_]*", spelling):
+        raise ValueError(f"action kind {spelling!r} must be upper-case letters and '_', starting with a letter")
+    if spelling in Kind._value2member_map_:
+        raise ValueError(f"action kind {spelling!r} is built in")
+    have = _CUSTOM.get(spelling)
+    if have is not None:
+        if have.is_compute != compute:
+            raise ValueError(f"action kind {spelling!r} is registered already with compute={have.is_compute}")
+        return have
+    kind = _CUSTOM[spelling] = CustomKind(spelling, compute)
+    _build_action_re()
+    return kind
+
+
+def kind_of(spelling: str) -> Kind | CustomKind:
+    """The kind spelled ``spelling`` (built in or registered); ``ValueError`` otherwise."""
+    if spelling in _CUSTOM:
+        return _CUSTOM[spelling]
+    return Kind(spelling)
+
+
+def _build_action_re() -> None:
+    global _ACTION_RE
+    # Longest spellings first so that "BW" is not read as "B" followed by garbage.
+    spellings = sorted([k.value for k in Kind] + list(_CUSTOM), key=len, reverse=True)
+    _ACTION_RE = re.compile(rf"^(\d+)({'|'.join(spellings)})(\d+)(?:@(\d+))?$")
+
+
+_ACTION_RE: re.Pattern[str]
+_build_action_re()
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +110,7 @@ class Action:
     """One step of one rank's plan: ``kind`` on virtual ``stage`` for ``microbatch`` (``peer`` for comm)."""
 
     stage: int
-    kind: Kind
+    kind: Kind | CustomKind
     microbatch: int
     peer: int | None = None
 
@@ -86,10 +136,10 @@ class Action:
         if m is None:
             raise ValueError(
                 f"bad action {text!r}: expected '{{stage}}{{kind}}{{microbatch}}' such as '3F0', '0B12', '2BW4' "
-                f"(kinds: {', '.join(k.value for k in Kind)})"
+                f"(kinds: {', '.join([k.value for k in Kind] + list(_CUSTOM))})"
             )
         stage, kind, mb, peer = m.groups()
-        return cls(int(stage), Kind(kind), int(mb), None if peer is None else int(peer))
+        return cls(int(stage), kind_of(kind), int(mb), None if peer is None else int(peer))
 
 
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the IR
