@@ -11,6 +11,7 @@ falls.  The run writes what every rank executed as a Chrome/Perfetto trace, ``ru
 it above the planned timeline in ``runs/make_train/trace.png`` (``zb-schedule show --trace``).
 
 Usage: ``python tools/make_train.py [--iters N] [--schedule NAME] [--mock-data] [-- extra pretrain_gpt.py flags]``.
+``TRAIN_ITERS=N make train`` sets the default of ``--iters`` (as it does for the scripts in ``examples/``).
 """
 
 from __future__ import annotations
@@ -81,7 +82,12 @@ def draw_trace(trace: Path, png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=150, help="training iterations (default 150)")
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=int(os.environ.get("TRAIN_ITERS", "150")),
+        help="training iterations (default: $TRAIN_ITERS, else 150; the doc test runs `make train` with TRAIN_ITERS=2)",
+    )
     parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4 = pp 2 x dp 2)")
     parser.add_argument("--schedule", default="zb-h1", help="pipeline schedule (default zb-h1; e.g. zb-v, 1f1b)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="kill the run after this many seconds")
