@@ -9,7 +9,7 @@ from zb_pipeline.schedule.generators.classic import interleaved_order
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.registry import available, generate, get
 from zb_pipeline.schedule.simulate import simulate
-from zb_pipeline.schedule.validate import validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 CLASSIC = {"gpipe": (1,), "1f1b": (1,), "interleaved-1f1b": (1, 2, 3)}
 
@@ -119,7 +119,7 @@ def check_shape(name: str, p: int, m: int, chunks: int) -> None:
         return
     assert (sched.num_ranks, sched.num_microbatches, sched.chunks) == (p, m, chunks)
     costs = StageCosts.build(num_ranks=p, chunks=chunks, f=1, b=1, w=1, comm=0.1)
-    validate(sched, costs=costs)
+    check_and_lower(sched, costs=costs)
     res = simulate(sched, costs)
     assert len([a for r in sched.ranks for a in r]) == 2 * p * chunks * m  # one F and one BW per stage and mb
     assert 0 <= res.bubble_rate < 1

@@ -8,9 +8,10 @@ from vshape_plan_checks import check_plan
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.interleaved_zb import SUPPORTED_CHUNKS, base_orders, place_w
 from zb_pipeline.schedule.ir import Kind, loop_placement
+from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.registry import generate, get
 from zb_pipeline.schedule.simulate import simulate
-from zb_pipeline.schedule.validate import peak_memory, validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 
 def costs_for(kind: str, p: int, v: int) -> StageCosts:
@@ -56,7 +57,7 @@ def check(p: int, m: int, v: int, kind: str) -> None:
     sched = generate("interleaved-zb", p, m, chunks=v, costs=costs)
     assert sched.stage_to_rank == loop_placement(p, v)
     cap = max(interleaved_1f1b_peaks(p, m, v, costs))
-    validate(sched, costs=costs, mem_limit=cap)
+    check_and_lower(sched, costs=costs, mem_limit=cap)
     assert max(peak_memory(sched, costs)) <= cap + 1e-9
     check_plan(sched, costs)
     # W deferral never loses against W right after B, under the costs it was planned with

@@ -22,7 +22,7 @@ from schedule_test_plans import (
 
 from zb_pipeline.schedule.ir import Action, Kind, Schedule, loop_placement, v_placement
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule, lower
-from zb_pipeline.schedule.validate import ScheduleError, validate, validate_lowered
+from zb_pipeline.schedule.validate import ScheduleError, check_and_lower, validate_lowered
 
 
 def steps(text: str) -> tuple:
@@ -131,7 +131,7 @@ def test_random_valid_plans_lower_soundly(placement: str, p: int, chunks: int, m
         "random": random_placement(p, chunks, rng),
     }[placement]
     sched = list_schedule(p, m, place, seed=seed)
-    lowered = validate(sched)
+    lowered = check_and_lower(sched)
     assert lowered == lower(sched)
     assert_sound(lowered)
 

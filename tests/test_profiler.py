@@ -29,9 +29,10 @@ from zb_pipeline.runtime.profiler import (
 from zb_pipeline.schedule import cli
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.lowering import lower
+from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
 from zb_pipeline.schedule.registry import generate
-from zb_pipeline.schedule.simulate import rank_peak_memory, simulate
+from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.testing import run_multiprocess
 
 P, M, ITERS, WINDOW = 3, 5, 4, (0, 2)
@@ -106,7 +107,7 @@ def test_profile_memory_is_exact_saved_tensor_bytes(switched_run: list[dict]) ->
     assert all(v is not None and v > 0 for v in (*prof.f, *prof.b, *prof.w)) and prof.comm > 0
     # The measured peak of every rank equals the simulator's prediction for the profiled plan under these deltas.
     window_plan = plan_from_dict(switched_run[0]["window_plan"])
-    assert prof.peak_bytes == rank_peak_memory(window_plan, prof.to_stage_costs())
+    assert prof.peak_bytes == peak_memory(window_plan, prof.to_stage_costs())
     # The runtime's gap between two compute actions was measured (posting transfers takes some time).
     assert 0 < prof.overhead < 1e3
 
@@ -254,7 +255,7 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
     assert Profile.from_dict(mean.to_dict()) == mean
     with pytest.raises(ValueError, match="statistic"):
         prof.gather(statistic="mode")
-    assert got.peak_bytes == rank_peak_memory(sched, got.to_stage_costs()) == (4.0 * BATCH * HIDDEN * FLOAT_BYTES,)
+    assert got.peak_bytes == peak_memory(sched, got.to_stage_costs()) == (4.0 * BATCH * HIDDEN * FLOAT_BYTES,)
     with pytest.raises(ValueError, match="empty"):
         ActionProfiler(ex, start_iter=2, end_iter=2)
     # Another executor over the same stages and weight-gradient store (as a benchmark runs several plans): a

@@ -12,9 +12,10 @@ from vshape_plan_checks import check_plan
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.v_shape import cap_units, plan_variants, rank_caps
 from zb_pipeline.schedule.ir import v_placement
+from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.registry import generate, get
 from zb_pipeline.schedule.simulate import simulate
-from zb_pipeline.schedule.validate import peak_memory, validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 NAMES = ("zb-v", "v-half", "v-min")
 
@@ -50,12 +51,12 @@ def check(name: str, p: int, m: int, costs: StageCosts) -> None:
     sched = generate(name, p, m, chunks=2, costs=costs)
     assert sched.placement == ("loop" if p == 1 else "v") and sched.stage_to_rank == v_placement(p, 2)
     caps = rank_caps(name, p, costs, None)
-    validate(sched, costs=costs, mem_limit=max(caps))  # strict P2P model, lowering with local V hand-offs
+    check_and_lower(sched, costs=costs, mem_limit=max(caps))  # strict P2P model, lowering with local V hand-offs
     peaks = peak_memory(sched, costs)
     for r in range(p):
         assert peaks[r] <= caps[r] + 1e-9, f"{name} p={p} m={m}: rank {r} peak {peaks[r]} > cap {caps[r]}"
     # Independent: completeness, dependencies.  Hand-offs may be consumed out of their sender's order: lowering
-    # posts every receive when its data is produced (so in the sender's order), and validate() above has already
+    # posts every receive when its data is produced (so in the sender's order), and check_and_lower() above has already
     # run the strict one-order-per-pair model on the lowered plan.
     check_plan(sched, costs, check_channels=False)
 
@@ -111,7 +112,7 @@ def test_zb_v_at_most_p_whole_units_default_memory_model() -> None:
     """With the default memory model (mem_f = 1 for a rank's whole share, 1/2 per chunk) ZB-V's peak is <= p."""
     for p in (2, 3, 4):
         sched = generate("zb-v", p, 4 * p)
-        validate(sched, mem_limit=p)
+        check_and_lower(sched, mem_limit=p)
         costs = StageCosts.build(num_ranks=p, chunks=2, stage_to_rank=v_placement(p, 2))
         assert max(peak_memory(sched, costs)) == p
 
@@ -214,7 +215,7 @@ def test_mem_limit_lowers_cap_and_rejects_too_small() -> None:
     costs = StageCosts.uniform(2 * p)
     sched = generate("zb-v", p, m, costs=costs, mem_limit=5)
     assert max(peak_memory(sched, costs)) <= 5
-    validate(sched, costs=costs, mem_limit=5)
+    check_and_lower(sched, costs=costs, mem_limit=5)
     with pytest.raises(ValueError, match="smallest limit that works is 2"):
         generate("v-min", p, m, costs=costs, mem_limit=1.5)
 

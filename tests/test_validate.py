@@ -10,7 +10,8 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Schedule, loop_placement, v_placement
 from zb_pipeline.schedule.lowering import LoweredSchedule
-from zb_pipeline.schedule.validate import ScheduleError, min_mem_limit, peak_memory, render_grid, validate
+from zb_pipeline.schedule.memory import peak_memory, schedule_mem_floor
+from zb_pipeline.schedule.validate import ScheduleError, check_and_lower, render_grid, validate_schedule
 
 
 def plan(p: int, m: int, rows: list[str], *, chunks: int = 1, v: bool = False) -> Schedule:
@@ -20,7 +21,7 @@ def plan(p: int, m: int, rows: list[str], *, chunks: int = 1, v: bool = False) -
 
 def rejected(sched: Schedule, **kw) -> ScheduleError:
     with pytest.raises(ScheduleError) as info:
-        validate(sched, **kw)
+        check_and_lower(sched, **kw)
     err = info.value
     assert "\n" not in str(err), "the message must be one line"
     assert str(err).startswith(f"{sched.name}: ")
@@ -33,7 +34,7 @@ def rejected(sched: Schedule, **kw) -> ScheduleError:
 @pytest.mark.parametrize("p", [2, 3])
 @pytest.mark.parametrize("split", [False, True])
 def test_hand_made_1f1b_passes(p: int, split: bool) -> None:
-    lowered = validate(one_f_one_b(p, 5, split=split))
+    lowered = check_and_lower(one_f_one_b(p, 5, split=split))
     assert isinstance(lowered, LoweredSchedule)
     sends, recvs = pair_lists(lowered)
     assert sends == recvs  # the k-th send of every pair is the k-th receive
@@ -50,11 +51,11 @@ def test_literal_1f1b_p3_with_split_backward_passes() -> None:
             "2F0 2B0 2W0 2F1 2B1 2W1 2F2 2B2 2W2",
         ],
     )
-    validate(sched)
+    check_and_lower(sched)
 
 
 def test_v_placed_plan_passes() -> None:
-    validate(v_gpipe(3, 4))
+    check_and_lower(v_gpipe(3, 4))
     # Literal V plan, p = 2: stages 0..3 on ranks 0, 1, 1, 0; rank 1 hands 1F -> 2F and 2B -> 1B locally.
     sched = plan(
         2,
@@ -66,12 +67,12 @@ def test_v_placed_plan_passes() -> None:
         chunks=2,
         v=True,
     )
-    validate(sched)
+    check_and_lower(sched)
 
 
 def test_random_plans_pass() -> None:
     for seed in range(10):
-        validate(list_schedule(3, 4, v_placement(3, 2), seed=seed))
+        check_and_lower(list_schedule(3, 4, v_placement(3, 2), seed=seed))
 
 
 # ------------------------------------------------------------------------------------------------ broken plans
@@ -149,7 +150,7 @@ def test_memory_overrun() -> None:
     sched = one_f_one_b(3, 6)
     costs = StageCosts.build(num_ranks=3)
     assert peak_memory(sched, costs) == (3.0, 2.0, 1.0)
-    validate(sched, costs=costs, mem_limit=3)
+    check_and_lower(sched, costs=costs, mem_limit=3)
     err = rejected(sched, costs=costs, mem_limit=2.5)
     assert "rank 0 position 2 (0F2): memory reaches 3 here and peaks at 3 on this rank, over mem_limit=2.5" in str(err)
     assert "needs at least 3" in str(err)
@@ -158,12 +159,26 @@ def test_memory_overrun() -> None:
     rejected(sched, mem_limit=2)
 
 
+def test_validate_schedule_checks_without_lowering() -> None:
+    # The compute-plan and memory checks alone: same verdict and message as check_and_lower, nothing returned.
+    sched = one_f_one_b(3, 6)
+    costs = StageCosts.build(num_ranks=3)
+    assert validate_schedule(sched, costs=costs, mem_limit=3) is None
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(sched, costs=costs, mem_limit=2.5)
+    assert str(info.value) == str(rejected(sched, costs=costs, mem_limit=2.5))
+    cycle = plan(2, 2, ["0F0 0BW0 0F1 0BW1", "1F1 1F0 1BW0 1BW1"])
+    with pytest.raises(ScheduleError) as info:
+        validate_schedule(cycle)
+    assert str(info.value) == str(rejected(cycle))
+
+
 def test_memory_with_split_backward_and_chunks() -> None:
     # W frees the activation: with B and W split, memory only drops at W.
     sched = plan(2, 2, ["0F0 0F1 0B0 0B1 0W0 0W1", "1F0 1B0 1W0 1F1 1B1 1W1"])
     costs = StageCosts.build(num_ranks=2, mem_f=[4, 2])
     assert peak_memory(sched, costs) == (8.0, 2.0)
-    assert min_mem_limit(sched, costs) == 8.0
+    assert schedule_mem_floor(sched, costs) == 8.0
     # Per-rank share split over chunks: two chunks per rank, each 1/2 of mem_f.
     sched2 = v_gpipe(2, 3)
     costs2 = StageCosts.build(num_ranks=2, chunks=2, stage_to_rank=v_placement(2, 2), mem_f=1)
@@ -202,7 +217,7 @@ def _check_generator(name: str, p: int, m: int, chunks: int) -> None:
     except ValueError as exc:  # a constraint of the schedule: must be named in one line
         assert str(exc) and "\n" not in str(exc)
         return
-    lowered = validate(sched)
+    lowered = check_and_lower(sched)
     sends, recvs = pair_lists(lowered)
     assert sends == recvs
 

@@ -14,7 +14,7 @@ from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
 from zb_pipeline.schedule.generators.zero_bubble import zb_h1_order, zb_h2_order
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
-from zb_pipeline.schedule.validate import validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 # (F, B, W): F = B = W, F = B = 2W, B = 2F, W = 2F; communication costs from none to one F.
 RATIOS = ((1.0, 1.0, 1.0), (2.0, 2.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 2.0))
@@ -129,7 +129,7 @@ def test_limit_below_one_microbatch_names_the_smallest_that_works() -> None:
     with pytest.raises(ValueError, match=r"smallest limit that works is 2\.5"):
         generate("zb-auto", 4, 8, costs=costs, mem_limit=2.0)
     sched = generate("zb-auto", 4, 8, costs=costs, mem_limit=2.5)
-    validate(sched, costs=costs, mem_limit=2.5)
+    check_and_lower(sched, costs=costs, mem_limit=2.5)
 
 
 @pytest.mark.parametrize("limit", [1, 2, 3, 5, None])
@@ -138,7 +138,7 @@ def test_any_limit_is_respected_and_validates(limit: float | None) -> None:
         costs = StageCosts.uniform(p, f=1.0, b=1.3, w=0.8, comm=0.2)
         sched = generate("zb-auto", p, m, costs=costs, mem_limit=limit)
         cap = (2 * p - 1) if limit is None else limit
-        validate(sched, costs=costs, mem_limit=cap)
+        check_and_lower(sched, costs=costs, mem_limit=cap)
 
 
 def test_default_limit_is_2p_minus_1_microbatches() -> None:
@@ -238,7 +238,7 @@ def test_polish_keeps_plans_valid_and_never_worse() -> None:
         before = eng.evaluate(plans)
         plans, after, _ = zb_auto_polish.polish(eng, plans, before, 1e6)
         assert after <= before + 1e-9 and eng.evaluate(plans) == pytest.approx(after)
-        validate(zb_auto_passes._to_schedule("polished", p, m, plans), costs=costs, mem_limit=limit)
+        check_and_lower(zb_auto_passes._to_schedule("polished", p, m, plans), costs=costs, mem_limit=limit)
 
 
 # Measured on the grid of test_within_stated_gap_of_the_exact_optimum_full (p <= 3, m <= 5, limits p and p + 1,

@@ -8,7 +8,7 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
-from zb_pipeline.schedule.validate import validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 RATIOS = ((1.0, 1.0, 1.0), (2.0, 2.0, 1.0))  # (F, B, W): F = B = W and F = B = 2W
 
@@ -52,7 +52,7 @@ def test_peak_memory_bounds(p: int) -> None:
 
 def _check_shape(name: str, p: int, m: int, costs: StageCosts) -> None:
     sched = generate(name, p, m, costs=costs)
-    validate(sched, costs=costs)
+    check_and_lower(sched, costs=costs)
     counts = {k: 0 for k in (Kind.F, Kind.B, Kind.W)}
     for acts in sched.ranks:
         for a in acts:
@@ -92,7 +92,7 @@ def test_heterogeneous_stage_costs_are_used() -> None:
     costs = StageCosts.build(num_ranks=p, f=[1.5, 1, 1, 2.0], b=[1.2, 1, 1, 2.2], w=[1, 1, 1, 1.6], comm=0.1)
     for name in ("zb-h1", "zb-h2"):
         sched = generate(name, p, m, costs=costs)
-        validate(sched, costs=costs, mem_limit=2 * p - 1)
+        check_and_lower(sched, costs=costs, mem_limit=2 * p - 1)
 
 
 def test_mem_limit_below_peak_says_what_is_needed() -> None:
@@ -117,7 +117,7 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
 
     from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
     from zb_pipeline.schedule.generators.zero_bubble import zb_h2_greedy_order
-    from zb_pipeline.schedule.simulate import rank_peak_memory
+    from zb_pipeline.schedule.memory import peak_memory
 
     rng = random.Random(3)
     moved_somewhere = False
@@ -127,7 +127,7 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
         before = zb_h2_greedy_order(p, m, planned)
         after = generate("zb-h2", p, m, costs=planned)
         assert after.ranks == first_stage_tail_w_first(before, planned).ranks
-        validate(after)
+        check_and_lower(after)
         for r in range(p):  # same actions, W's and B's each in the same order
             for kind in (Kind.F, Kind.B, Kind.W):
                 assert [a for a in after.ranks[r] if a.kind is kind] == [a for a in before.ranks[r] if a.kind is kind]
@@ -144,5 +144,5 @@ def test_first_stage_tail_runs_w_first_and_never_costs_time_or_memory() -> None:
                 w=tuple(x * rng.uniform(0.7, 1.3) for x in planned.w),
             )
             assert simulate(after, real).makespan <= simulate(before, real).makespan + 1e-9
-        assert max(rank_peak_memory(after, planned)) <= max(rank_peak_memory(before, planned)) + 1e-9
+        assert max(peak_memory(after, planned)) <= max(peak_memory(before, planned)) + 1e-9
     assert moved_somewhere

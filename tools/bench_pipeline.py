@@ -67,8 +67,9 @@ from zb_pipeline.schedule import registry  # noqa: E402
 from zb_pipeline.schedule.bounds import iteration_lower_bound, theory_ceiling  # noqa: E402
 from zb_pipeline.schedule.ir import Schedule  # noqa: E402
 from zb_pipeline.schedule.lowering import lower  # noqa: E402
+from zb_pipeline.schedule.memory import peak_memory  # noqa: E402
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict  # noqa: E402
-from zb_pipeline.schedule.simulate import rank_peak_memory, simulate  # noqa: E402
+from zb_pipeline.schedule.simulate import simulate  # noqa: E402
 from zb_pipeline.testing import run_multiprocess  # noqa: E402
 
 try:  # BENCH's peer benchmark: the same GPT blocks, its alternated timing and bootstrap
@@ -424,7 +425,7 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
                 n_it = min(len(r["spans"][name]) for r in res)
                 span = statistics.median(max(r["spans"][name][i] for r in res) for i in range(n_it))
                 peaks = [r["peaks"][name] for r in res]
-                pred = rank_peak_memory(sched, costs)
+                pred = peak_memory(sched, costs)
                 own = Profile.from_dict(res[0]["own_profiles"][name])
                 predicted = predict_makespan(own, sched)
                 planned = predict_makespan(prof, sched)

@@ -14,7 +14,7 @@ Every command that takes cost flags also takes ``--profile prof.json`` (a measur
 
 Cost and memory flags take one number (a rank's whole share of layers), a comma-separated list with one number
 per rank, or one per virtual stage (see ``StageCosts.build``).  Bad input prints one line on stderr and exits
-with status 2; a plan that fails ``validate`` prints its grid (failing step marked) and exits with status 2 too.
+with status 2; a plan that fails ``check_and_lower`` prints its grid (failing step marked) and exits with status 2 too.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.pictures import ComparisonRow, ansi_timeline, plot_comparison, plot_timeline
 from zb_pipeline.schedule.plan_file import load_plan, save_plan
+from zb_pipeline.schedule.schedule_error import ScheduleError, render_grid
 from zb_pipeline.schedule.simulate import SimResult, simulate
-from zb_pipeline.schedule.validate import ScheduleError, render_grid, validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 PROG = "zb-schedule"
 _GRID_MAX_ACTIONS = 4000  # print a failing plan's grid only up to this size (it is one line per rank)
@@ -97,7 +98,7 @@ def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True, required
 
 def _build_costs(args: argparse.Namespace, p: int, chunks: int, placement: Sequence[int]) -> StageCosts:
     if getattr(args, "profile", None):
-        from zb_pipeline.runtime.profiler import load_profile  # reads JSON only; no torch
+        from zb_pipeline.schedule.profile import load_profile  # reads JSON only; no torch
 
         profile = load_profile(args.profile)
         if profile.num_ranks != p:
@@ -150,7 +151,7 @@ def _plan(name: str, args: argparse.Namespace) -> tuple[Schedule, StageCosts, Lo
         raise UsageError(f"schedule {name!r} supports --chunks in {list(spec.chunks)}, got {chunks}")
     costs = _build_costs(args, p, chunks, placement_for(name, p, chunks))
     sched = registry.generate(name, p, m, chunks=chunks, costs=costs, mem_limit=args.mem_limit)
-    lowered = validate(sched, costs=costs, mem_limit=args.mem_limit)
+    lowered = check_and_lower(sched, costs=costs, mem_limit=args.mem_limit)
     return sched, costs, lowered
 
 
@@ -368,7 +369,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     sched = load_plan(args.plan)
     costs = _build_costs(args, sched.num_ranks, sched.chunks, sched.stage_to_rank)
     try:
-        lowered = validate(sched, costs=costs, mem_limit=args.mem_limit)
+        lowered = check_and_lower(sched, costs=costs, mem_limit=args.mem_limit)
     except ScheduleError as e:
         if e.grid and sum(len(r) for r in sched.ranks) <= _GRID_MAX_ACTIONS:
             print(e.grid)

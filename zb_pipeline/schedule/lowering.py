@@ -16,7 +16,7 @@ The communication model (strict, as NCCL imposes it)
 - A send completes only once its matching receive has been posted (no buffering).
 - A rank posts a ``CommBatch`` as a unit and blocks until every op in it has completed; compute actions never
   block (their inputs arrived in an earlier batch).
-``validate.validate_lowered`` simulates exactly this model.
+``lowered_checks.check_lowered_comms`` simulates exactly this model.
 
 Dependencies (the same for the validator and the simulator)
 -----------------------------------------------------------
@@ -271,7 +271,7 @@ def kind_code(kind: Kind) -> int:
 
 
 def _check_compute_only(schedule: Schedule) -> None:
-    """The cheap structural checks ``lower`` relies on (``validate`` gives the full diagnosis)."""
+    """The cheap structural checks ``lower`` relies on (``validate.check_and_lower`` gives the full diagnosis)."""
     S, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
     seen = bytearray(S * m * 4)
     for r, acts in enumerate(schedule.ranks):
@@ -281,7 +281,7 @@ def _check_compute_only(schedule: Schedule) -> None:
             if code < 0 or s >= S or mb >= m or owner[s] != r:
                 raise ValueError(
                     f"cannot lower {schedule.name!r}: rank {r} position {i} ({a}) is not a compute action of a stage "
-                    f"on that rank; run validate() for the full diagnosis"
+                    f"on that rank; run check_and_lower() for the full diagnosis"
                 )
             key = (s * m + mb) * 4 + code
             if seen[key]:
@@ -292,7 +292,7 @@ def _check_compute_only(schedule: Schedule) -> None:
 def lower(schedule: Schedule, *, order: EventOrder | None = None) -> LoweredSchedule:
     """Add the communication ``schedule`` needs (see the module docstring for the algorithm and its guarantee).
 
-    ``schedule`` must be dependency-valid (``validate`` checks that first and passes its ``order`` on);
+    ``schedule`` must be dependency-valid (``check_and_lower`` checks that first and passes its ``order`` on);
     otherwise ``ValueError`` is raised.
     """
     with no_gc():
@@ -308,7 +308,7 @@ def _lower(schedule: Schedule, order: EventOrder | None) -> LoweredSchedule:
         raise ValueError(
             f"cannot lower {schedule.name!r}: the plan never finishes (rank {r} position {i} "
             f"({schedule.ranks[r][i]}) waits for {describe_event(key, schedule.num_microbatches)}); "
-            f"run validate() for the full diagnosis"
+            f"run check_and_lower() for the full diagnosis"
         )
     S, owner = schedule.num_stages, schedule.stage_to_rank
     # Per rank: (end, seq, op) of every comm op it takes part in.  seq is unique within a rank (each producer

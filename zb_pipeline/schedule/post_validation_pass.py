@@ -29,7 +29,7 @@ For these actions ``Action.stage`` is the pipeline *rank* that executes the acti
 1SEND_PV1@0`` at its validation point.  Each op is its own batch.  Why the plan stays deadlock-free under the strict
 model: the prefixes complete on their own (a consistent cut of a plan that completes); per pair of ranks the back
 link is then the first transfer after the prefix on both sides; the back chain starts at the last rank, which has
-the total from the prologue.  ``validate.validate_lowered`` checks all of it by simulation.
+the total from the prologue.  ``validate.validate_lowered`` checks all of it by simulation (``lowered_checks``).
 """
 
 from __future__ import annotations

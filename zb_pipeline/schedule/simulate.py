@@ -10,7 +10,8 @@ later of (a) the end of the previous action on its rank and (b) the end of each 
 - ``W(s, mb)`` needs ``B(s, mb)``.
 
 Durations: ``F`` costs ``costs.f[s]``, ``B`` costs ``costs.b[s]``, ``W`` costs ``costs.w[s]``, ``BW`` costs
-``b + w``.  Memory: a rank's running sum of ``mem_f`` / ``mem_b`` / ``mem_w`` over its actions in order.
+``b + w``.  Memory: a rank's running sum of ``mem_f`` / ``mem_b`` / ``mem_w`` over its actions in order
+(``memory.peak_memory``).
 
 The simulation is a single pass over the actions (each rank resumes only when the one action it waits for
 ends), so it runs in O(number of actions): fast enough for search loops over p = 64, m = 512 plans.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.memory import check_costs_match, peak_memory
 
 # Keys of "this happened" events: (stage * m + microbatch) * 3 + slot.
 _SLOT_F = 0  # F(s, mb) ended
@@ -91,39 +93,6 @@ class SimResult:
         return max((tl[-1].end for tl in self.timeline if tl), default=0.0)
 
 
-def _check_costs(schedule: Schedule, costs: StageCosts) -> None:
-    if costs.num_stages != schedule.num_stages:
-        raise ValueError(
-            f"costs are given for {costs.num_stages} virtual stages, but schedule {schedule.name!r} has "
-            f"{schedule.num_stages}"
-        )
-
-
-def rank_peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
-    """Each rank's peak of the running sum of memory deltas over its compute actions (0 if it never rises)."""
-    _check_costs(schedule, costs)
-    mf, mb_, mw = costs.mem_f, costs.mem_b, costs.mem_w
-    peaks = []
-    for acts in schedule.ranks:
-        cur = peak = 0.0
-        for a in acts:
-            k, s = a.kind, a.stage
-            if k is _F:
-                cur += mf[s]
-            elif k is _B:
-                cur += mb_[s]
-            elif k is _W:
-                cur += mw[s]
-            elif k is _BW:
-                cur += mb_[s] + mw[s]
-            else:
-                continue
-            if cur > peak:
-                peak = cur
-        peaks.append(peak)
-    return tuple(peaks)
-
-
 def _check_plan(schedule: Schedule) -> None:
     """Every compute action in range, on its stage's rank, and no work done twice (B and BW, W and BW)."""
     S, m = schedule.num_stages, schedule.num_microbatches
@@ -161,14 +130,33 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
 
     ``rank_start[r]``: the earliest time rank ``r`` may start its first action (default: every rank at 0).
     """
-    _check_costs(schedule, costs)
+    check_costs_match(schedule, costs)
     _check_plan(schedule)
-    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    p = schedule.num_ranks
     if rank_start is not None and len(rank_start) != p:
         raise ValueError(f"rank_start has {len(rank_start)} entries, the plan has {p} ranks")
+    clock = [0.0] * p if rank_start is None else [float(t) for t in rank_start]
+    timelines, busy = _run(schedule, costs, clock)
+    spans = [tl[-1].end - tl[0].start if tl else 0.0 for tl in timelines]
+    makespan = max(spans, default=0.0)
+    bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
+    return SimResult(
+        schedule=schedule,
+        timeline=tuple(tuple(tl) for tl in timelines),
+        rank_span=tuple(spans),
+        makespan=makespan,
+        bubble_rate=bubble,
+        peak_memory=peak_memory(schedule, costs),
+        rank_compute=tuple(busy),
+    )
+
+
+def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[list[list[TimedAction]], list[float]]:
+    """The event-driven pass: each rank runs until it waits for an event not yet produced, and resumes when it is.
+    Returns per rank its timeline and its busy time; ``ValueError`` names what the stuck ranks wait for."""
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     comm = costs.comm
     f_cost, b_cost, w_cost = costs.f, costs.b, costs.w
-    mem_f, mem_b, mem_w = costs.mem_f, costs.mem_b, costs.mem_w
     step = 3 * m  # key distance between neighbouring stages
 
     done_time = [-1.0] * (S * m * 3)  # event key -> end time (-1: not yet)
@@ -176,9 +164,6 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
     waiting: dict[int, list[int]] = {}  # event key -> ranks blocked on it
     blocked_on: list[int] = [-1] * p
     pos = [0] * p
-    clock = [0.0] * p if rank_start is None else [float(t) for t in rank_start]
-    mem_cur = [0.0] * p
-    mem_peak = [0.0] * p
     busy = [0.0] * p
     timelines: list[list[TimedAction]] = [[] for _ in range(p)]
 
@@ -190,7 +175,7 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
         out = timelines[r]
         i = pos[r]
         t_rank = clock[r]
-        cur, peak, work = mem_cur[r], mem_peak[r], busy[r]
+        work = busy[r]
         n = len(acts)
         while i < n:
             a = acts[i]
@@ -198,18 +183,13 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
             base = (s * m + a.microbatch) * 3
             # dep1 / dep2: event keys this action waits for (-1: none).
             if k is _F:
-                dep1, dep2 = (base - step if s > 0 else -1), -1
-                dur, dmem = f_cost[s], mem_f[s]
+                dep1, dep2, dur = (base - step if s > 0 else -1), -1, f_cost[s]
             elif k is _W:
-                dep1, dep2 = base + _SLOT_G, -1
-                dur, dmem = w_cost[s], mem_w[s]
+                dep1, dep2, dur = base + _SLOT_G, -1, w_cost[s]
             elif k is _B or k is _BW:
                 dep1 = base  # own F
                 dep2 = base + step + _SLOT_G if s < S - 1 else -1
-                if k is _B:
-                    dur, dmem = b_cost[s], mem_b[s]
-                else:
-                    dur, dmem = b_cost[s] + w_cost[s], mem_b[s] + mem_w[s]
+                dur = b_cost[s] if k is _B else b_cost[s] + w_cost[s]
             else:  # communication: modelled by costs.comm
                 i += 1
                 continue
@@ -238,9 +218,6 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
             out.append(_timed(r, i, a, start, end))
             t_rank = end
             work += dur
-            cur += dmem
-            if cur > peak:
-                peak = cur
             if k is _F:
                 produced: tuple[int, ...] = (base,)
             elif k is _B:
@@ -257,28 +234,20 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
             i += 1
         pos[r] = i
         clock[r] = t_rank
-        mem_cur[r], mem_peak[r], busy[r] = cur, peak, work
+        busy[r] = work
 
-    stuck = [r for r in range(p) if blocked_on[r] >= 0]
-    if stuck:
-        parts = []
-        for r in stuck:
+    if any(key >= 0 for key in blocked_on):
+        raise _stuck_error(schedule, pos, blocked_on)
+    return timelines, busy
+
+
+def _stuck_error(schedule: Schedule, pos: list[int], blocked_on: list[int]) -> ValueError:
+    parts = []
+    for r, key in enumerate(blocked_on):
+        if key >= 0:
             a = schedule.ranks[r][pos[r]]
-            parts.append(f"rank {r} waits at position {pos[r]} ({a}) for {_describe(blocked_on[r], m)}")
-        raise ValueError("plan can never finish: " + "; ".join(parts))
-
-    spans = [tl[-1].end - tl[0].start if tl else 0.0 for tl in timelines]
-    makespan = max(spans, default=0.0)
-    bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
-    return SimResult(
-        schedule=schedule,
-        timeline=tuple(tuple(tl) for tl in timelines),
-        rank_span=tuple(spans),
-        makespan=makespan,
-        bubble_rate=bubble,
-        peak_memory=tuple(mem_peak),
-        rank_compute=tuple(busy),
-    )
+            parts.append(f"rank {r} waits at position {pos[r]} ({a}) for {_describe(key, schedule.num_microbatches)}")
+    return ValueError("plan can never finish: " + "; ".join(parts))
 
 
 def _describe(key: int, m: int) -> str:

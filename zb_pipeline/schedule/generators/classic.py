@@ -16,15 +16,15 @@ from __future__ import annotations
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import BW, Action, F, Schedule, loop_placement
+from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.registry import register
-from zb_pipeline.schedule.simulate import rank_peak_memory
 
 
 def check_mem_limit(schedule: Schedule, costs: StageCosts, mem_limit: float | None) -> None:
     """Raise ``ValueError`` if a fixed-shape schedule's peak memory exceeds ``mem_limit`` (say what would fit)."""
     if mem_limit is None:
         return
-    peaks = rank_peak_memory(schedule, costs)
+    peaks = peak_memory(schedule, costs)
     need = max(peaks)
     if need > mem_limit + 1e-9 * max(1.0, abs(mem_limit)):
         r = peaks.index(need)

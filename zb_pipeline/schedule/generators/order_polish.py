@@ -17,19 +17,10 @@ from __future__ import annotations
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.memory import order_peak
 from zb_pipeline.schedule.simulate import simulate
 
 _EPS = 1e-9
-
-
-def _peak(order: list[Action] | tuple[Action, ...], costs: StageCosts) -> float:
-    """One rank's peak of the running sum of memory deltas over ``order``."""
-    delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
-    cur = peak = 0.0
-    for a in order:
-        cur += delta[a.kind][a.stage]
-        peak = max(peak, cur)
-    return peak
 
 
 def _spans(sched: Schedule, ranks: list[tuple[Action, ...]], costs: StageCosts) -> tuple[float, float] | None:
@@ -55,7 +46,7 @@ def polish_orders(
         return sched
     ranks = [tuple(acts) for acts in sched.ranks]
     best = _spans(sched, ranks, costs)
-    if best is None or any(_peak(acts, costs) > cap + _EPS for acts, cap in zip(ranks, caps)):
+    if best is None or any(order_peak(acts, costs) > cap + _EPS for acts, cap in zip(ranks, caps)):
         raise ValueError(f"polish_orders: the input plan {sched.name!r} does not finish within its caps")
     evals, improved = 0, False
     changed = True
@@ -71,7 +62,7 @@ def polish_orders(
                         continue
                     cand = order[:]
                     cand.insert(j, cand.pop(i))
-                    if _peak(cand, costs) > caps[r] + _EPS:
+                    if order_peak(cand, costs) > caps[r] + _EPS:
                         continue
                     trial = ranks[:r] + [tuple(cand)] + ranks[r + 1 :]
                     evals += 1

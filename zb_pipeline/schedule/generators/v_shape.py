@@ -32,7 +32,7 @@ shortest makespan within the memory caps is kept (ties: the first).
    optimum is 49).
 
 Hand-offs: lowering posts every receive when its data is produced, i.e. in the sender's order, so a rank may
-consume its peers' hand-offs in any order; ``validate`` checks the strict one-order-per-pair model on the result.
+consume its peers' hand-offs in any order; ``check_and_lower`` checks the strict one-order-per-pair model on the result.
 
 Memory caps, in half-units of the rank's whole share ``M_r = mem_f[r] + mem_f[2p-1-r]`` (one chunk's F is
 ``M_r / 2`` when the chunks are equal; with unequal chunks the cap is ``cap_units / 2 x M_r``, and never below

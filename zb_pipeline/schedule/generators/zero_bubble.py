@@ -42,6 +42,7 @@ from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
 from zb_pipeline.schedule.generators.zb_auto_bound import default_mem_limit
 from zb_pipeline.schedule.generators.zb_auto_passes import Policy, StageArrays, _backend, _run, _to_schedule
 from zb_pipeline.schedule.ir import B, F, Schedule, W, loop_placement
+from zb_pipeline.schedule.memory import schedule_mem_floor
 from zb_pipeline.schedule.registry import register
 
 
@@ -82,15 +83,7 @@ def zb_h2_greedy_order(p: int, m: int, costs: StageCosts) -> Schedule:
 def _check_limit(name: str, schedule: Schedule, costs: StageCosts, mem_limit: float | None) -> Schedule:
     if mem_limit is None:
         return schedule
-    peaks = []
-    for acts in schedule.ranks:
-        cur = peak = 0.0
-        for a in acts:
-            s = a.stage
-            cur += costs.mem_f[s] if a.kind.value == "F" else costs.mem_b[s] if a.kind.value == "B" else costs.mem_w[s]
-            peak = max(peak, cur)
-        peaks.append(peak)
-    need = max(peaks)
+    need = schedule_mem_floor(schedule, costs)
     if need > mem_limit + 1e-9 * max(1.0, abs(need)):
         raise ValueError(
             f"{name} needs mem_limit >= {need:g} for p={schedule.num_ranks}, m={schedule.num_microbatches} "

@@ -1,0 +1,68 @@
+"""Activation memory of a plan: each rank's running sum of memory deltas over its compute actions, and its peak.
+
+Deltas come from ``StageCosts``: ``mem_f``, ``mem_b``, ``mem_w`` per virtual stage, and ``mem_b + mem_w`` for a
+fused ``BW``.  A rank starts at 0; communication actions add nothing.  ``running_memory`` is the one implementation of
+the sum (one rank's actions in order), ``order_peak`` its peak, ``peak_memory`` the peak of every rank of a plan;
+the simulator, the validator and the generators all ask these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Action, Kind, Schedule
+
+# Enum members as plain constants: the loop compares kinds by identity (hashing a str Enum is slow).
+_F, _B, _W, _BW = Kind.F, Kind.B, Kind.W, Kind.BW
+
+
+def running_memory(actions: Iterable[Action], costs: StageCosts) -> list[float]:
+    """One rank's running sum of memory deltas after each of ``actions`` (a communication action repeats the sum
+    before it): the one place the deltas are summed."""
+    mf, mb, mw = costs.mem_f, costs.mem_b, costs.mem_w
+    sums: list[float] = []
+    append = sums.append
+    cur = 0.0
+    for a in actions:
+        k, s = a.kind, a.stage
+        if k is _F:
+            cur += mf[s]
+        elif k is _B:
+            cur += mb[s]
+        elif k is _W:
+            cur += mw[s]
+        elif k is _BW:
+            cur += mb[s] + mw[s]
+        append(cur)
+    return sums
+
+
+def order_peak(actions: Iterable[Action], costs: StageCosts) -> float:
+    """One rank's peak of the running sum of memory deltas over ``actions`` in order (0 if it never rises)."""
+    return max(0.0, max(running_memory(actions, costs), default=0.0))
+
+
+def first_over(actions: Iterable[Action], costs: StageCosts, limit: float) -> tuple[int, float] | None:
+    """The first position in ``actions`` where the running sum exceeds ``limit``, with the sum there (or ``None``)."""
+    return next(((i, cur) for i, cur in enumerate(running_memory(actions, costs)) if cur > limit), None)
+
+
+def check_costs_match(schedule: Schedule, costs: StageCosts) -> None:
+    """``ValueError`` unless ``costs`` has one entry per virtual stage of ``schedule``."""
+    if costs.num_stages != schedule.num_stages:
+        raise ValueError(
+            f"costs are given for {costs.num_stages} virtual stages, but schedule {schedule.name!r} has "
+            f"{schedule.num_stages}"
+        )
+
+
+def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
+    """Each rank's peak of the running sum of memory deltas over its compute actions, in order (0 at the start)."""
+    check_costs_match(schedule, costs)
+    return tuple(order_peak(acts, costs) for acts in schedule.ranks)
+
+
+def schedule_mem_floor(schedule: Schedule, costs: StageCosts) -> float:
+    """The smallest ``mem_limit`` that ``schedule`` fits in: its largest per-rank peak."""
+    return max(peak_memory(schedule, costs), default=0.0)
