@@ -48,17 +48,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
+from zb_pipeline.runtime.compute_handlers import DEFAULT_HANDLERS
 from zb_pipeline.runtime.generic_split import GenericSplit
-from zb_pipeline.runtime.hooks import ExecutorHooks
+from zb_pipeline.runtime.hooks import ExecutorHooks, Handler
 from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
 from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
 
-Handler = Callable[["PipelineExecutor", Action], Any]
 InputFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
 ForwardFn = Callable[[torch.nn.Module, torch.Tensor, int, int], torch.Tensor]
@@ -391,6 +390,10 @@ class PipelineExecutor:
         else:
             self._to_send[(Kind.SEND_B, key)] = grad
 
+    def split_of(self, stage: int) -> GenericSplit | None:
+        """How ``stage``'s backward splits: ``None`` (deferrable layers in ``store.defer``) or a ``GenericSplit``."""
+        return self._split[stage]
+
     def save_for_backward(self, a: Action, inp: torch.Tensor | None, root: Any) -> None:
         for hook in self.hooks.saved_for_backward:
             hook(a, inp, root)
@@ -436,27 +439,6 @@ def _restore_rng(state: tuple[torch.Tensor, list[torch.Tensor] | None] | None) -
         torch.cuda.set_rng_state_all(state[1])
 
 
-# ------------------------------------------------------------------------------------------ built-in handlers
-def _forward(ex: PipelineExecutor, a: Action) -> None:
-    s, mb = a.stage, a.microbatch
-    x = ex.fetch_input(a)
-    if s > 0 and not x.requires_grad and x.is_floating_point():
-        x.requires_grad_()
-    out = ex.forward_fn(ex.stages[s], x, s, mb)
-    if s == ex.num_stages - 1:
-        got = ex.loss_fn(out, mb)
-        loss, report = got if isinstance(got, tuple) else (got, got)
-        ex.losses[mb] = report.detach()
-        ex.save_for_backward(a, x if s > 0 else None, loss)
-        return
-    if not out.requires_grad:
-        raise RuntimeError(f"rank {ex.rank}: {a}: the output of stage {s} does not require grad (no parameters?)")
-    ex.deliver_output(a, out)
-    # Generic splits need the output tensor; otherwise its autograd edge is enough and the tensor can go once sent.
-    root = out if ex._split[s] is not None else get_gradient_edge(out)
-    ex.save_for_backward(a, x if s > 0 else None, root)
-
-
 def prepost_windows(steps: Sequence[object], ahead: int) -> tuple[tuple[Action, ...], ...]:
     """For each step index ``j`` of a rank's lowered plan holding a batch: the receives to post right after it, ahead
     of their own batches -- every receive in the batches before the ``ahead + 1``-th compute action after ``j``, so
@@ -482,62 +464,3 @@ def prepost_windows(steps: Sequence[object], ahead: int) -> tuple[tuple[Action, 
                 picked += [a for a in later.actions if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B]
         out.append(tuple(picked))
     return tuple(out)
-
-
-def _backward(ex: PipelineExecutor, a: Action, defer: bool) -> None:
-    s, mb = a.stage, a.microbatch
-    x, root = ex.pop_saved(a)
-    grad = ex.fetch_output_grad(a)
-    split = ex._split[s]
-    if split is not None and defer:
-        if isinstance(root, torch.Tensor) and grad is None and root.dim() == 0:
-            grad = torch.ones_like(root)
-        with ex.store.defer(s, mb):
-            got = split.backward_input([root], [grad], [x] if x is not None else [])
-        gx = got[0] if x is not None else None
-    else:
-        if defer:
-            with ex.store.defer(s, mb):
-                torch.autograd.backward([root], None if grad is None else [grad])
-        else:
-            torch.autograd.backward([root], None if grad is None else [grad])
-        gx = x.grad if x is not None else None
-    if defer:
-        ex.defer_w(a)
-    if s > 0:
-        if gx is None:
-            raise RuntimeError(f"rank {ex.rank}: {a}: stage {s}'s output does not depend on its input")
-        ex.deliver_input_grad(a, gx)
-
-
-def _b(ex: PipelineExecutor, a: Action) -> None:
-    _backward(ex, a, defer=True)
-
-
-def _bw(ex: PipelineExecutor, a: Action) -> None:
-    _backward(ex, a, defer=False)
-
-
-def _w(ex: PipelineExecutor, a: Action) -> None:
-    ex.complete_w(a)
-    ex.store.run(a.stage, a.microbatch)
-
-
-def _send(ex: PipelineExecutor, a: Action) -> torch.Tensor:
-    return ex.take_payload(a)
-
-
-def _recv(ex: PipelineExecutor, a: Action) -> None:
-    return None
-
-
-DEFAULT_HANDLERS: dict[Kind, Handler] = {
-    Kind.F: _forward,
-    Kind.B: _b,
-    Kind.W: _w,
-    Kind.BW: _bw,
-    Kind.SEND_F: _send,
-    Kind.SEND_B: _send,
-    Kind.RECV_F: _recv,
-    Kind.RECV_B: _recv,
-}

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 from zb_pipeline.schedule.ir import Kind
 
+Handler = Callable[[Any, Any], Any]  # fn(executor, action): a compute handler returns None, a send its tensor
 IterationHook = Callable[[Any], None]
 ActionHook = Callable[[Any], None]
 

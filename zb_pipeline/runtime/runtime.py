@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from zb_pipeline.runtime.executor import Handler, PipelineExecutor
-from zb_pipeline.runtime.hooks import ExecutorHooks
+from zb_pipeline.runtime.executor import PipelineExecutor
+from zb_pipeline.runtime.hooks import ExecutorHooks, Handler
 from zb_pipeline.runtime.p2p import PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 from zb_pipeline.schedule import registry
