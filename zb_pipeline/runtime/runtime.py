@@ -40,7 +40,7 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, F, Kind, Schedule
 from zb_pipeline.schedule.lowering import LoweredSchedule, lower
-from zb_pipeline.schedule.validate import validate
+from zb_pipeline.schedule.validate import check_and_lower
 
 BatchInputFn = Callable[[Any], torch.Tensor]
 BatchLossFn = Callable[[torch.Tensor, Any], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
@@ -182,7 +182,7 @@ class PipelineRuntime:
         hit = self._lowered.get(id(schedule))
         if hit is not None and hit[0] is schedule:
             return hit[1]
-        lowered = validate(schedule)
+        lowered = check_and_lower(schedule)
         self._lowered[id(schedule)] = (schedule, lowered)
         return lowered
 
