@@ -172,13 +172,13 @@ def test_tensor_parallel_size_must_divide_heads() -> None:
 
 def _held_bytes(work: list, params) -> int:
     """Bytes of the distinct non-parameter storages the deferred W closures hold."""
-    from zb_pipeline.runtime.profiler import _storage_key, _tensors_in
+    from zb_pipeline.runtime.activation_memory import storage_key, tensors_in
 
     found: list = []
     for fn in work:
-        _tensors_in(fn, found)
-    skip = {_storage_key(p)[0] for p in params}
-    return sum(n for ptr, n in dict(_storage_key(t) for t in found).items() if ptr not in skip)
+        tensors_in(fn, found)
+    skip = {storage_key(p)[0] for p in params}
+    return sum(n for ptr, n in dict(storage_key(t) for t in found).items() if ptr not in skip)
 
 
 @pytest.mark.parametrize("defer", [False, True])

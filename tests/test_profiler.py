@@ -18,19 +18,14 @@ from runtime_models import BATCH, HIDDEN, MLPStage, mlp_input, mlp_target
 
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
-from zb_pipeline.runtime.profiler import (
-    ActionProfiler,
-    Profile,
-    WindowReplanner,
-    mem_limit_for_microbatches,
-    predict_makespan,
-    regenerate,
-)
+from zb_pipeline.runtime.profiler import ActionProfiler
+from zb_pipeline.runtime.replanner import WindowReplanner, regenerate
 from zb_pipeline.schedule import cli
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
+from zb_pipeline.schedule.profile import Profile, mem_limit_for_microbatches, predict_makespan
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.testing import run_multiprocess
@@ -269,7 +264,7 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
     for it in range(3):
         other.run(it)
     assert done.active and not any(done._work.values())
-    from zb_pipeline.runtime.profiler import switch_plan
+    from zb_pipeline.runtime.replanner import switch_plan
 
     with pytest.raises(ValueError, match="must keep p=1, m=3"):
         switch_plan(ex, generate("zb-h1", 1, 4))
@@ -381,7 +376,7 @@ def test_example_benchmark_script_runs_under_torchrun(tmp_path) -> None:
 
 
 def _latency_rank(rank: int, world_size: int) -> tuple[float, float]:
-    from zb_pipeline.runtime.profiler import measure_p2p_latency
+    from zb_pipeline.runtime.profile_gather import measure_p2p_latency
 
     torch.set_num_threads(1)
     hot = measure_p2p_latency(pp_rank=rank, pp_ranks=[0, 1, 2], repeats=4, warmup=1)

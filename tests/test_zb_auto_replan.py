@@ -54,8 +54,9 @@ def _train(rank: int, world_size: int, argv: list[str]) -> dict:
     ],
 )
 def test_replans_from_profile_and_keeps_losses(tmp_path, flags: list[str], name: str, chunks: int) -> None:
-    from zb_pipeline.runtime.profiler import Profile, regenerate
+    from zb_pipeline.runtime.replanner import regenerate
     from zb_pipeline.schedule.plan_file import load_plan
+    from zb_pipeline.schedule.profile import Profile
 
     model = ["--num-layers", "6"] if chunks == 3 else []
     reference = run_multiprocess(_train, 1, args=([*ARGV, *model],), timeout_s=240)[0]["losses"]

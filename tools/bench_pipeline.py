@@ -54,13 +54,8 @@ from megatron.model import build_gpt_stages  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
 from zb_pipeline.runtime.host_allocator import keep_freed_host_memory  # noqa: E402
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
-from zb_pipeline.runtime.profiler import (  # noqa: E402
-    ActionProfiler,
-    Profile,
-    costs_for,
-    predict_makespan,
-    regenerate,
-)
+from zb_pipeline.runtime.profiler import ActionProfiler  # noqa: E402
+from zb_pipeline.runtime.replanner import regenerate  # noqa: E402
 from zb_pipeline.runtime.trace import Tracer  # noqa: E402
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore  # noqa: E402
 from zb_pipeline.schedule import registry  # noqa: E402
@@ -69,6 +64,7 @@ from zb_pipeline.schedule.ir import Schedule  # noqa: E402
 from zb_pipeline.schedule.lowering import lower  # noqa: E402
 from zb_pipeline.schedule.memory import peak_memory  # noqa: E402
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict  # noqa: E402
+from zb_pipeline.schedule.profile import Profile, costs_for, predict_makespan  # noqa: E402
 from zb_pipeline.schedule.simulate import simulate  # noqa: E402
 from zb_pipeline.testing import run_multiprocess  # noqa: E402
 

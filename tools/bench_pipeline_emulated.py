@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
-from zb_pipeline.runtime.profiler import measure_p2p_latency
+from zb_pipeline.runtime.profile_gather import measure_p2p_latency
 from zb_pipeline.runtime.trace import Tracer, merge_traces
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts

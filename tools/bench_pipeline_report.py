@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from zb_pipeline.runtime.profiler import Profile
+from zb_pipeline.schedule.profile import Profile
 
 SPEEDUP_SCHEDULES = ("zb-h1", "zb-h2", "zb-auto")  # whose speed-up over 1F1B the emulated target checks
 

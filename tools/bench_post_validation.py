@@ -52,7 +52,7 @@ from zb_pipeline.optim.post_validation import PostValidator  # noqa: E402
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
-from zb_pipeline.runtime.profiler import measure_p2p_latency  # noqa: E402
+from zb_pipeline.runtime.profile_gather import measure_p2p_latency  # noqa: E402
 from zb_pipeline.schedule import registry  # noqa: E402
 from zb_pipeline.schedule.costs import StageCosts  # noqa: E402
 from zb_pipeline.schedule.lowering import lower  # noqa: E402

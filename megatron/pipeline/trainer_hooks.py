@@ -182,7 +182,7 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         return None
     import os
 
-    from zb_pipeline.runtime.profiler import WindowReplanner
+    from zb_pipeline.runtime.replanner import WindowReplanner
 
     save = run.checkpoint.save
     auto = cfg.schedule == "zb-auto"

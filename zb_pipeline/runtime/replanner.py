@@ -1,0 +1,185 @@
+"""Re-planning from a profile: generate a plan from measured costs and switch the running executor to it.
+
+``regenerate`` plans schedule ``name`` from a ``Profile``'s per-stage costs and predicts it with the simulator
+(``Replan``); ``switch_plan`` makes an executor run another plan from its next iteration on; ``adaptive_mem_limit``
+is the memory left for activations on the GPU.  ``WindowReplanner`` ties it together for a trainer: profile a
+window of iterations (``ActionProfiler``), regenerate at its end, switch the plan at the iteration boundary on every
+rank alike and log the predicted bubble rate and memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from zb_pipeline.runtime.profiler import ActionProfiler
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.post_validation_pass import add_post_validation, has_post_validation
+from zb_pipeline.schedule.profile import Profile, costs_for, mem_limit_for_microbatches
+from zb_pipeline.schedule.simulate import SimResult, simulate
+from zb_pipeline.schedule.validate import check_and_lower, validate_lowered
+
+if TYPE_CHECKING:
+    from zb_pipeline.runtime.executor import PipelineExecutor
+    from zb_pipeline.schedule.lowering import LoweredSchedule
+
+__all__ = ["Replan", "WindowReplanner", "adaptive_mem_limit", "regenerate", "switch_plan"]
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A plan generated from a profile, with the simulator's prediction under the profiled costs."""
+
+    schedule: Schedule
+    costs: StageCosts
+    result: SimResult
+    mem_limit: float | None
+
+    def summary(self) -> str:
+        mib = ", ".join(f"{v / 2**20:.1f}" for v in self.result.peak_memory)
+        limit = "none" if self.mem_limit is None else f"{self.mem_limit / 2**20:.1f} MiB"
+        s = self.schedule
+        return (
+            f"replanned {s.name} (p={s.num_ranks}, m={s.num_microbatches}) from profiled costs: predicted iteration "
+            f"{self.result.makespan:.2f} ms, bubble rate {self.result.bubble_rate:.1%}, peak activation memory per "
+            f"rank [{mib}] MiB (limit {limit}), T_comm {self.costs.comm:.3f} ms"
+        )
+
+
+def regenerate(
+    profile: Profile,
+    num_microbatches: int,
+    *,
+    name: str = "zb-auto",
+    chunks: int | None = None,
+    mem_limit: float | None = None,
+) -> Replan:
+    """Generate schedule ``name`` from the profiled per-stage costs; ``mem_limit`` is per rank in bytes."""
+    c, costs = costs_for(profile, name, chunks=chunks)
+    sched = registry.generate(name, profile.num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
+    return Replan(sched, costs, simulate(sched, costs), mem_limit)
+
+
+def adaptive_mem_limit(percentile: float = 85.0, device: Any = None) -> float | None:
+    """``--zero-bubble-max-pending-backward auto``: bytes left for activations within ``percentile`` % of the GPU
+    (total * percentile / 100 minus what is allocated now, between iterations: parameters, gradients, optimizer).
+    ``None`` on CPU (no device limit to fit)."""
+    if not 0 < percentile <= 100:
+        raise ValueError(f"--zero-bubble-adaptive-memory-limit-percentile {percentile} must be in (0, 100]")
+    if not torch.cuda.is_available() or (device is not None and torch.device(device).type != "cuda"):
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(0.0, total * percentile / 100.0 - torch.cuda.memory_allocated(device))
+
+
+def switch_plan(executor: PipelineExecutor, schedule: Schedule) -> LoweredSchedule:
+    """Make ``executor`` run ``schedule`` from its next iteration on (call between iterations).
+
+    The new plan must keep every rank's stages and the microbatch count (stage modules, P2P boundaries and the
+    trainer's data stay as they are); it is validated and lowered here, so a bad plan fails before any transfer.
+    """
+    old = executor.lowered.schedule
+    if schedule.num_microbatches != old.num_microbatches:
+        raise ValueError(
+            f"cannot switch from {old.name!r} to {schedule.name!r}: the new plan must keep p={old.num_ranks}, "
+            f"m={old.num_microbatches} and the placement {list(old.stage_to_rank)}"
+        )
+    lowered = check_and_lower(schedule)
+    if has_post_validation(executor.lowered):  # keep the optimizer post-validation chain of the running plan
+        lowered = add_post_validation(lowered)
+        validate_lowered(lowered)
+    executor.load_plan(lowered)  # checks p and the placement
+    return lowered
+
+
+@dataclass
+class WindowReplanner:
+    """Profile ``[start_iter, end_iter)``, then regenerate and switch the plan at the iteration boundary.
+
+    Call ``after_iteration(iteration)`` after every ``executor.run``; at ``end_iter - 1`` it gathers the profile
+    (collective over ``group``), regenerates ``name`` with the memory limit (bytes, or ``mem_limit_microbatches``
+    microbatches, or ``"auto"`` for ``percentile`` % of the GPU), switches the executor and logs one line.  It
+    returns the ``Replan`` then (the trainer updates its own copies of the plan), ``None`` otherwise.  Every rank
+    of the job calls it: the profile of global rank ``broadcast_src`` (one collective over the default group) and
+    the smallest memory limit are used everywhere, so all tensor- and data-parallel replicas switch to one plan.
+    """
+
+    executor: PipelineExecutor
+    start_iter: int
+    end_iter: int
+    name: str = "zb-auto"
+    mem_limit: float | str | None = None
+    mem_limit_microbatches: float | None = None
+    percentile: float = 85.0
+    group: Any = None
+    save_path: str | None = None
+    log: Callable[[str], None] = print
+    broadcast_src: int | None = 0  # global rank whose profile every rank adopts (None: keep the group's own)
+    profiler: ActionProfiler | None = field(default=None, init=False)
+    profile: Profile | None = field(default=None, init=False)
+    replan: Replan | None = field(default=None, init=False)
+    runtime: Any = field(default=None, init=False)  # set by ``attach``
+
+    def __post_init__(self) -> None:
+        if self.end_iter <= self.start_iter:
+            raise ValueError(
+                f"--zero-bubble-pipeline-timers-start-iter {self.start_iter} must be below -end-iter {self.end_iter}"
+            )
+        self.profiler = ActionProfiler(self.executor, start_iter=self.start_iter, end_iter=self.end_iter)
+
+    def resolve_mem_limit(self, profile: Profile) -> float | None:
+        if self.mem_limit == "auto":
+            return adaptive_mem_limit(self.percentile, self.profiler.device if self.profiler else None)
+        if self.mem_limit is not None:
+            return float(self.mem_limit)
+        if self.mem_limit_microbatches is not None:
+            return mem_limit_for_microbatches(profile, self.mem_limit_microbatches)
+        return None
+
+    def attach(self, runtime: Any) -> None:
+        """Run inside ``runtime`` (a ``PipelineRuntime`` over this replanner's executor): called after each of its
+        iterations, the switch goes through ``runtime.switch_plan`` so the runtime keeps owning its plans."""
+        if runtime.executor is not self.executor:
+            raise ValueError("attach the WindowReplanner to the runtime whose executor it profiles")
+        self.runtime = runtime
+        runtime.after_iteration.append(self.after_iteration)
+
+    def after_iteration(self, iteration: int) -> Replan | None:
+        if iteration != self.end_iter - 1 or self.replan is not None:
+            return None
+        profile = self.profiler.gather(group=self.group)
+        profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
+        self.profile = profile
+        current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
+        replan = regenerate(profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit)
+        if self.runtime is not None:
+            self.runtime.switch_plan(self.runtime.plans.replanned(costs=replan.costs, mem_limit=limit))
+        else:
+            switch_plan(self.executor, replan.schedule)
+        self.replan = replan
+        rank0 = self.executor.rank == 0
+        if self.save_path and rank0:
+            profile.save(self.save_path)
+        if rank0:
+            self.log(replan.summary())
+        return replan
+
+    def _agree(self, profile: Profile, limit: float | None) -> tuple[Profile, float | None]:
+        """Every rank of the job must switch to the same plan (tensor- and data-parallel peers run their
+        collectives in plan order): take global rank ``broadcast_src``'s profile and the smallest memory limit."""
+        if self.broadcast_src is None or not (dist.is_available() and dist.is_initialized()):
+            return profile, limit
+        box: list[Any] = [profile.to_dict()]
+        dist.broadcast_object_list(box, src=self.broadcast_src)
+        if limit is not None or self.mem_limit == "auto":
+            t = torch.tensor([math.inf if limit is None else limit], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            limit = None if math.isinf(float(t)) else float(t)
+        return Profile.from_dict(box[0]), limit
