@@ -7,7 +7,7 @@ See ``zb_pipeline.runtime.executor`` for what each kind does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -15,8 +15,8 @@ from torch.autograd.graph import get_gradient_edge
 from zb_pipeline.runtime.hooks import Handler
 from zb_pipeline.schedule.ir import Action, Kind
 
-if TYPE_CHECKING:
-    from zb_pipeline.runtime.executor import PipelineExecutor
+# ``ex`` is a ``zb_pipeline.runtime.executor.PipelineExecutor`` (not imported: the executor imports this table).
+PipelineExecutor = Any
 
 
 def _forward(ex: PipelineExecutor, a: Action) -> None:
