@@ -136,7 +136,7 @@ def _rates(name: str, p: int, m: int, w: float) -> tuple[float, float, float]:
     return res.bubble_rate, ref.bubble_rate, res.makespan - 2 * m * (2.0 + w)
 
 
-# Bounds fixed from the design before measuring the final version (see .notes/readme_vshape.md for the numbers):
+# Bounds fixed from the design before measuring the final version (the measured numbers: v_shape's docstring):
 # - v-half, F = B = W: never a larger bubble rate than 1F1B (the repeated building block and the greedy variants
 #   both stay below (p - 1)(F + B + W));  F = B = 2W: within 8 percentage points of 1F1B (not yet matched).
 # - v-min: within 15 percentage points of 1F1B's bubble rate (12 was set first; p = 8, m = 32, F = B = 2W came

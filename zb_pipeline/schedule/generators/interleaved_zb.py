@@ -113,6 +113,9 @@ def base_orders(p: int, m: int, v: int) -> list[list[Action]]:
 
 
 def _peak_with_w_after_b(seq: list[Action], costs: StageCosts) -> float:
+    """The peak of an F/B order (no W in it) with each W freeing its memory right after its B: measured after
+    every F and B, the W's own delta only carried forward.  Not ``memory.order_peak`` of an order with the Ws
+    inserted: that also measures after each W, which differs when a W adds memory (``mem_f + mem_b < 0``)."""
     cur = peak = 0.0
     for a in seq:
         cur += costs.mem_f[a.stage] if a.kind is Kind.F else costs.mem_b[a.stage]
