@@ -263,7 +263,7 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
     )
     for it in range(3):
         other.run(it)
-    assert done.active and not any(done._work.values())
+    assert done.active and not any(done.activation.held_work.values())
     from zb_pipeline.runtime.replanner import switch_plan
 
     with pytest.raises(ValueError, match="must keep p=1, m=3"):

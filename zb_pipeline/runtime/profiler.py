@@ -18,7 +18,7 @@ plans from it and switches the running plan.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,10 +84,6 @@ class ActionProfiler:
     @property
     def peaks(self) -> list[float]:
         return self.activation.peaks
-
-    @property
-    def _work(self) -> Mapping[tuple[int, int], list[Callable[[], None]]]:  # what tests check for leaks
-        return self.activation.held_work
 
     # -- wiring -----------------------------------------------------------------------------------------------
     def _install(self) -> None:
