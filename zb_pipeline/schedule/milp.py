@@ -66,6 +66,7 @@ class ExactResult:
 
 
 _STREAMS = (Kind.F, Kind.B, Kind.W)
+_Act = tuple[Kind, int, int]  # (kind, stage, microbatch)
 
 
 def solve_exact(
@@ -104,105 +105,19 @@ def solve_exact(
     if costs.num_stages != num_stages:
         raise ValueError(f"costs are for {costs.num_stages} virtual stages, expected {num_stages}")
 
-    def dur(kind: Kind, s: int) -> float:
-        return {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}[kind][s]
-
-    def delta(kind: Kind, s: int) -> float:
-        return {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}[kind][s]
-
-    actions = [(k, s, j) for s in range(num_stages) for k in _STREAMS for j in range(m)]
-    rank_of = {a: stage_to_rank[a[1]] for a in actions}
-    by_rank: list[list[tuple[Kind, int, int]]] = [[] for _ in range(p)]
-    for a in actions:
-        by_rank[rank_of[a]].append(a)
-
-    # Horizon for the big-M constraints: any as-soon-as-possible order finishes by the total work plus every
-    # possible communication delay.
-    horizon = sum(dur(k, s) for k, s, _ in actions) + costs.comm * 2 * num_stages * m + 1.0
-
     h = highspy.Highs()
     h.silent()
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", 1e-6)
     h.setOptionValue("threads", 1)
-
-    t = {a: h.addVariable(lb=0.0, ub=horizon) for a in actions}
-    makespan = h.addVariable(lb=0.0, ub=horizon)
-
-    def comm(s_from: int, s_to: int) -> float:
-        return costs.comm if stage_to_rank[s_from] != stage_to_rank[s_to] else 0.0
-
-    # Dependencies.
-    for s, j in itertools.product(range(num_stages), range(m)):
-        f, b, w = (Kind.F, s, j), (Kind.B, s, j), (Kind.W, s, j)
-        if s > 0:
-            h.addConstr(t[f] >= t[(Kind.F, s - 1, j)] + dur(Kind.F, s - 1) + comm(s - 1, s))
-        if s < num_stages - 1:
-            h.addConstr(t[b] >= t[(Kind.B, s + 1, j)] + dur(Kind.B, s + 1) + comm(s + 1, s))
-        h.addConstr(t[b] >= t[f] + dur(Kind.F, s))
-        h.addConstr(t[w] >= t[b] + dur(Kind.B, s))
-        # Streams in microbatch order.
-        if j > 0:
-            for k in _STREAMS:
-                h.addConstr(t[(k, s, j)] >= t[(k, s, j - 1)] + dur(k, s))
-
-    # Pairwise order on each rank: implied orders are constants, the rest binaries.
-    before: dict[tuple, object] = {}  # (a, b) -> 1.0 / 0.0 or a binary variable meaning "a runs before b"
-    binaries = []
-    for r in range(p):
-        acts = by_rank[r]
-        for a, b in itertools.combinations(acts, 2):
-            implied = _implied_order(a, b)
-            if implied is None:
-                y = h.addBinary()
-                binaries.append((a, b, y))
-                h.addConstr(t[a] + dur(a[0], a[1]) <= t[b] + horizon * (1 - y))
-                h.addConstr(t[b] + dur(b[0], b[1]) <= t[a] + horizon * y)
-                before[(a, b)] = y
-                before[(b, a)] = 1 - y
-            else:
-                before[(a, b)] = 1.0 if implied else 0.0
-                before[(b, a)] = 0.0 if implied else 1.0
-
-    # Memory after each action that adds memory.
-    if mem_limit is not None:
-        for r in range(p):
-            acts = by_rank[r]
-            for a in acts:
-                if delta(a[0], a[1]) <= 0:
-                    continue
-                expr = delta(a[0], a[1])
-                const = 0.0
-                terms = []
-                for b in acts:
-                    if b == a:
-                        continue
-                    v = before[(b, a)]
-                    d = delta(b[0], b[1])
-                    if d == 0:
-                        continue
-                    if isinstance(v, float):
-                        const += d * v
-                    else:
-                        terms.append(d * v)
-                if terms:
-                    h.addConstr(sum(terms[1:], terms[0]) <= mem_limit - expr - const)
-                elif expr + const > mem_limit + 1e-9:
-                    return _infeasible(name, "infeasible: memory limit below a forced peak", time.perf_counter())
-
-    # Objective: every rank's span.
-    for r in range(p):
-        s_first = min(s for s in range(num_stages) if stage_to_rank[s] == r)
-        first = t[(Kind.F, s_first, 0)]
-        for s in range(num_stages):
-            if stage_to_rank[s] == r:
-                h.addConstr(makespan >= t[(Kind.W, s, m - 1)] + dur(Kind.W, s) - first)
-        # A valid cut the LP relaxation does not see by itself: a span holds at least the rank's own work.
-        h.addConstr(makespan >= sum(dur(k, s) for k, s, _ in by_rank[r]))
-    h.minimize(makespan)
-
+    model = _Model(h, stage_to_rank, m, costs)
+    model.add_dependencies()
+    model.add_rank_order()
+    if mem_limit is not None and not model.add_memory_limit(mem_limit):
+        return _infeasible(name, "infeasible: memory limit below a forced peak", time.perf_counter())
+    model.add_objective()
     if warm_start is not None:
-        _set_warm_start(h, warm_start, costs, t, makespan, binaries)
+        _set_warm_start(h, warm_start, costs, model.t, model.makespan, model.binaries)
 
     t0 = time.perf_counter()
     h.run()
@@ -213,19 +128,123 @@ def solve_exact(
     if info.primal_solution_status != 2:  # 2 = feasible
         return ExactResult(None, float("inf"), lower, False, status, seconds)
 
-    values = h.getSolution().col_value
-    starts = {a: values[t[a].index] for a in actions}
-    ranks = []
-    for r in range(p):
-        order = sorted(by_rank[r], key=lambda a: (starts[a], _STREAMS.index(a[0]), a[1], a[2]))
-        ranks.append(tuple(Action(s, k, j) for k, s, j in order))
-    schedule = Schedule(name, p, num_stages, m, stage_to_rank, tuple(ranks))
-
+    schedule = model.solution_schedule(name)
     from zb_pipeline.schedule.simulate import simulate
 
     simulated = simulate(schedule, costs).makespan
     optimal = status == "Optimal"
     return ExactResult(schedule, simulated, min(lower, simulated), optimal, status, seconds)
+
+
+class _Model:
+    """The MILP of the module docstring, built constraint group by constraint group on a ``highspy.Highs``."""
+
+    def __init__(self, h, stage_to_rank: tuple[int, ...], m: int, costs: StageCosts) -> None:
+        self.h, self.stage_to_rank, self.m, self.costs = h, stage_to_rank, m, costs
+        self.num_stages = len(stage_to_rank)
+        self.p = max(stage_to_rank) + 1
+        self.actions: list[_Act] = [(k, s, j) for s in range(self.num_stages) for k in _STREAMS for j in range(m)]
+        self.by_rank: list[list[_Act]] = [[] for _ in range(self.p)]
+        for a in self.actions:
+            self.by_rank[stage_to_rank[a[1]]].append(a)
+        # Horizon for the big-M constraints: any as-soon-as-possible order finishes by the total work plus every
+        # possible communication delay.
+        self.horizon = sum(self.dur(k, s) for k, s, _ in self.actions) + costs.comm * 2 * self.num_stages * m + 1.0
+        self.t = {a: h.addVariable(lb=0.0, ub=self.horizon) for a in self.actions}
+        self.makespan = h.addVariable(lb=0.0, ub=self.horizon)
+        self.before: dict[tuple, object] = {}  # (a, b) -> 1.0 / 0.0 or a binary variable meaning "a runs before b"
+        self.binaries: list[tuple[_Act, _Act, object]] = []
+
+    def dur(self, kind: Kind, s: int) -> float:
+        return {Kind.F: self.costs.f, Kind.B: self.costs.b, Kind.W: self.costs.w}[kind][s]
+
+    def delta(self, kind: Kind, s: int) -> float:
+        return {Kind.F: self.costs.mem_f, Kind.B: self.costs.mem_b, Kind.W: self.costs.mem_w}[kind][s]
+
+    def comm(self, s_from: int, s_to: int) -> float:
+        return self.costs.comm if self.stage_to_rank[s_from] != self.stage_to_rank[s_to] else 0.0
+
+    def add_dependencies(self) -> None:
+        """Each action after what it needs (+ T_comm across ranks); each stream in microbatch order."""
+        h, t, dur, comm = self.h, self.t, self.dur, self.comm
+        for s, j in itertools.product(range(self.num_stages), range(self.m)):
+            f, b, w = (Kind.F, s, j), (Kind.B, s, j), (Kind.W, s, j)
+            if s > 0:
+                h.addConstr(t[f] >= t[(Kind.F, s - 1, j)] + dur(Kind.F, s - 1) + comm(s - 1, s))
+            if s < self.num_stages - 1:
+                h.addConstr(t[b] >= t[(Kind.B, s + 1, j)] + dur(Kind.B, s + 1) + comm(s + 1, s))
+            h.addConstr(t[b] >= t[f] + dur(Kind.F, s))
+            h.addConstr(t[w] >= t[b] + dur(Kind.B, s))
+            # Streams in microbatch order.
+            if j > 0:
+                for k in _STREAMS:
+                    h.addConstr(t[(k, s, j)] >= t[(k, s, j - 1)] + dur(k, s))
+
+    def add_rank_order(self) -> None:
+        """Pairwise order on each rank: implied orders are constants, the rest binaries (big-M disjunction)."""
+        h, t, before, horizon = self.h, self.t, self.before, self.horizon
+        for acts in self.by_rank:
+            for a, b in itertools.combinations(acts, 2):
+                implied = _implied_order(a, b)
+                if implied is None:
+                    y = h.addBinary()
+                    self.binaries.append((a, b, y))
+                    h.addConstr(t[a] + self.dur(a[0], a[1]) <= t[b] + horizon * (1 - y))
+                    h.addConstr(t[b] + self.dur(b[0], b[1]) <= t[a] + horizon * y)
+                    before[(a, b)] = y
+                    before[(b, a)] = 1 - y
+                else:
+                    before[(a, b)] = 1.0 if implied else 0.0
+                    before[(b, a)] = 0.0 if implied else 1.0
+
+    def add_memory_limit(self, mem_limit: float) -> bool:
+        """Memory after each action that adds memory; False if the order alone already forces it over the limit."""
+        for acts in self.by_rank:
+            for a in acts:
+                if self.delta(a[0], a[1]) <= 0:
+                    continue
+                expr = self.delta(a[0], a[1])
+                const = 0.0
+                terms = []
+                for b in acts:
+                    if b == a:
+                        continue
+                    v = self.before[(b, a)]
+                    d = self.delta(b[0], b[1])
+                    if d == 0:
+                        continue
+                    if isinstance(v, float):
+                        const += d * v
+                    else:
+                        terms.append(d * v)
+                if terms:
+                    self.h.addConstr(sum(terms[1:], terms[0]) <= mem_limit - expr - const)
+                elif expr + const > mem_limit + 1e-9:
+                    return False
+        return True
+
+    def add_objective(self) -> None:
+        """Minimise the makespan: at least every rank's span, and (a cut) at least every rank's own work."""
+        h, t, makespan, m = self.h, self.t, self.makespan, self.m
+        for r in range(self.p):
+            s_first = min(s for s in range(self.num_stages) if self.stage_to_rank[s] == r)
+            first = t[(Kind.F, s_first, 0)]
+            for s in range(self.num_stages):
+                if self.stage_to_rank[s] == r:
+                    h.addConstr(makespan >= t[(Kind.W, s, m - 1)] + self.dur(Kind.W, s) - first)
+            # A valid cut the LP relaxation does not see by itself: a span holds at least the rank's own work.
+            h.addConstr(makespan >= sum(self.dur(k, s) for k, s, _ in self.by_rank[r]))
+        h.minimize(makespan)
+
+    def solution_schedule(self, name: str) -> Schedule:
+        """The solved start times as per-rank orders."""
+        values = self.h.getSolution().col_value
+        starts = {a: values[self.t[a].index] for a in self.actions}
+        ranks = []
+        for acts in self.by_rank:
+            order = sorted(acts, key=lambda a: (starts[a], _STREAMS.index(a[0]), a[1], a[2]))
+            ranks.append(tuple(Action(s, k, j) for k, s, j in order))
+        return Schedule(name, self.p, self.num_stages, self.m, self.stage_to_rank, tuple(ranks))
 
 
 def _implied_order(a: tuple[Kind, int, int], b: tuple[Kind, int, int]) -> bool | None:

@@ -149,19 +149,13 @@ def plot_trace_vs_plan(
 ) -> tuple[MeasuredIteration, SimResult]:
     """Draw one iteration of the trace above the plan simulated with the measured costs; save PNG/SVG."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
-    from zb_pipeline.schedule.pictures import IDLE_COLOR, KIND_COLORS, _chunk_index, _shade
+    from zb_pipeline.schedule.pictures import KIND_COLORS, _chunk_index, _shade
 
     schedule = schedule or plan_of(doc)
     if schedule is None:
         raise ValueError("the trace holds no plan (written by an old runtime): name the schedule and its -p/-m")
-    its = trace_iterations(doc)
-    if not its:
-        raise ValueError("the trace has no compute events")
-    it = its[-1] if iteration is None else iteration
-    if it not in its:
-        raise ValueError(f"iteration {it} is not in the trace (it has {its[0]}..{its[-1]})")
+    it = _pick_iteration(doc, iteration)
     measured = measured_iteration(doc, schedule, it)
     planned = plan_under_measured_costs(measured, schedule)
     p = schedule.num_ranks
@@ -176,46 +170,16 @@ def plot_trace_vs_plan(
         ci = chunk_of[a.stage]
         return _shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
 
-    def draw(ax, rows: Sequence[Sequence[tuple[float, float, Action]]], waits=None) -> None:
-        px_per_ms = width * 0.9 * fig.dpi / t_end
-        for r, row in enumerate(rows):
-            y = p - 1 - r
-            ax.broken_barh([(0, t_end)], (y - 0.4, 0.8), facecolors=IDLE_COLOR, edgecolor="none", zorder=1)
-            for start, dur, a in row:
-                ax.broken_barh(
-                    [(start, dur)], (y - 0.4, 0.8), facecolors=[color(a)], edgecolor="white", lw=0.5, zorder=2
-                )
-                if dur * px_per_ms >= 7 * len(str(a.microbatch)) + 2:
-                    ax.text(
-                        start + dur / 2,
-                        y,
-                        str(a.microbatch),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white",
-                        zorder=3,
-                    )
-            for w in waits[r] if waits is not None else ():
-                ax.broken_barh(
-                    [(w.start, w.duration)], (y - 0.4, 0.8), facecolors="none", edgecolor="#c0392b", hatch="////",
-                    lw=0.0, zorder=2.5,
-                )  # fmt: skip
-        ax.set_yticks(range(p))
-        ax.set_yticklabels([f"rank {p - 1 - y}" for y in range(p)], fontsize=8)
-        ax.set_ylim(-0.6, p - 0.4)
-        ax.set_xlim(0, t_end)
-        ax.tick_params(axis="x", labelsize=8)
-        for side in ("top", "right", "left"):
-            ax.spines[side].set_visible(False)
-
+    px_per_ms = width * 0.9 * fig.dpi / t_end
     panel_h = (row_in * p) / height
     gap = 0.55 / height
     bottom = 0.5 / height
     ax_plan = fig.add_axes((0.07, bottom, 0.9, panel_h))
     ax_meas = fig.add_axes((0.07, bottom + panel_h + gap, 0.9, panel_h), sharex=ax_plan)
-    draw(ax_meas, [[(s.start, s.duration, s.action) for s in spans] for spans in measured.compute], measured.waits)
-    draw(ax_plan, [[(ta.start, ta.duration, ta.action) for ta in tl] for tl in planned.timeline])
+    measured_rows = [[(s.start, s.duration, s.action) for s in spans] for spans in measured.compute]
+    _draw_rows(ax_meas, measured_rows, measured.waits, p=p, t_end=t_end, px_per_ms=px_per_ms, color=color)
+    planned_rows = [[(ta.start, ta.duration, ta.action) for ta in tl] for tl in planned.timeline]
+    _draw_rows(ax_plan, planned_rows, None, p=p, t_end=t_end, px_per_ms=px_per_ms, color=color)
     ax_plan.set_xlabel("milliseconds from the iteration's first action", fontsize=9)
     ax_meas.set_title(
         f"measured: iteration {it}, span {measured.span_ms:.1f} ms, bubble rate {measured.bubble_rate:.1%}",
@@ -231,6 +195,67 @@ def plot_trace_vs_plan(
         0.07, 1 - 0.12 / height, f"{s.name}: p={s.num_ranks} m={s.num_microbatches} chunks={s.chunks} -- trace vs plan",
         fontsize=11, ha="left", va="top",
     )  # fmt: skip
+    handles = _legend_handles(measured)
+    fig.legend(handles=handles, loc="upper right", bbox_to_anchor=(0.97, 1 - 0.08 / height), ncol=len(handles),
+               fontsize=8, frameon=False)  # fmt: skip
+    fig.savefig(os.fspath(path))
+    return measured, planned
+
+
+def _pick_iteration(doc: Mapping[str, Any], iteration: int | None) -> int:
+    """``iteration`` if the trace has it (``None``: its last one); ``ValueError`` otherwise."""
+    its = trace_iterations(doc)
+    if not its:
+        raise ValueError("the trace has no compute events")
+    it = its[-1] if iteration is None else iteration
+    if it not in its:
+        raise ValueError(f"iteration {it} is not in the trace (it has {its[0]}..{its[-1]})")
+    return it
+
+
+def _draw_rows(
+    ax: Any,
+    rows: Sequence[Sequence[tuple[float, float, Action]]],
+    waits: Sequence[Sequence[Any]] | None,
+    *,
+    p: int,
+    t_end: float,
+    px_per_ms: float,
+    color: Any,
+) -> None:
+    """One panel: a bar per action (microbatch written where it fits) over an idle band per rank, receive waits
+    hatched; rank 0 on top."""
+    from zb_pipeline.schedule.pictures import IDLE_COLOR
+
+    for r, row in enumerate(rows):
+        y = p - 1 - r
+        ax.broken_barh([(0, t_end)], (y - 0.4, 0.8), facecolors=IDLE_COLOR, edgecolor="none", zorder=1)
+        for start, dur, a in row:
+            ax.broken_barh([(start, dur)], (y - 0.4, 0.8), facecolors=[color(a)], edgecolor="white", lw=0.5, zorder=2)
+            if dur * px_per_ms >= 7 * len(str(a.microbatch)) + 2:
+                ax.text(
+                    start + dur / 2, y, str(a.microbatch), ha="center", va="center", fontsize=7, color="white", zorder=3
+                )
+        for w in waits[r] if waits is not None else ():
+            ax.broken_barh(
+                [(w.start, w.duration)], (y - 0.4, 0.8), facecolors="none", edgecolor="#c0392b", hatch="////",
+                lw=0.0, zorder=2.5,
+            )  # fmt: skip
+    ax.set_yticks(range(p))
+    ax.set_yticklabels([f"rank {p - 1 - y}" for y in range(p)], fontsize=8)
+    ax.set_ylim(-0.6, p - 0.4)
+    ax.set_xlim(0, t_end)
+    ax.tick_params(axis="x", labelsize=8)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+
+
+def _legend_handles(measured: MeasuredIteration) -> list[Any]:
+    """Legend entries: the kinds the trace ran, receive waits, idle."""
+    from matplotlib.patches import Patch
+
+    from zb_pipeline.schedule.pictures import IDLE_COLOR, KIND_COLORS
+
     kinds = [
         k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(sp.action.kind is k for r in measured.compute for sp in r)
     ]
@@ -239,7 +264,4 @@ def plot_trace_vs_plan(
         Patch(facecolor="none", edgecolor="#c0392b", hatch="////", label="waiting for a receive"),
         Patch(facecolor=IDLE_COLOR, label="idle"),
     ]
-    fig.legend(handles=handles, loc="upper right", bbox_to_anchor=(0.97, 1 - 0.08 / height), ncol=len(handles),
-               fontsize=8, frameon=False)  # fmt: skip
-    fig.savefig(os.fspath(path))
-    return measured, planned
+    return handles
