@@ -7,7 +7,8 @@ import random
 import pytest
 from data_assets import train_small_bpe, train_small_sentencepiece, varied_corpus
 
-from megatron.tokenizer import TokenizerConfig, build_tokenizer, clean_text, padded_vocab_size
+from megatron.model.config import padded_vocab_size
+from megatron.tokenizer import TokenizerConfig, build_tokenizer, clean_text
 from megatron.tokenizer.bpe_reference import byte_to_char
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 

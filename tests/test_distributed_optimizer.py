@@ -1,5 +1,6 @@
 """The distributed optimizer (ZeRO-1) equals the plain one: dp = 2, 5 steps, parameters to a norm-wise relative
-error of 1e-6 (fp32; bound fixed before measuring), each rank holding only its shard of the Adam state."""
+error of 1e-6 (fp32; bound fixed before measuring), each rank holding only its shard of the optimizer state (Adam;
+SGD with momentum in the slow run)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def _train_both(rank: int, world_size: int, extra: list[str]) -> dict:
 
     from megatron.arguments import parse_run_config
     from megatron.parallel.context import ParallelContext
-    from megatron.training import setup, train_step
+    from megatron.training_setup import setup
+    from megatron.training_step import train_step
 
     torch.set_num_threads(1)
     out = {}
@@ -59,6 +61,11 @@ def _check(results: list[dict], dp: int) -> None:
 
 def test_distributed_optimizer_equals_plain_dp2():
     _check(run_multiprocess(_train_both, 2, args=([],), timeout_s=180), dp=2)
+
+
+@pytest.mark.slow  # the default run has sgd + distributed optimizer in test_checkpointing's bit-exact resume
+def test_distributed_optimizer_equals_plain_dp2_sgd():
+    _check(run_multiprocess(_train_both, 2, args=(["--optimizer", "sgd"],), timeout_s=180), dp=2)
 
 
 @pytest.mark.slow

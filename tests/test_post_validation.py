@@ -89,7 +89,7 @@ def _stage(s: int, dropout: float) -> torch.nn.Module:
 def _record(opt: MainParamOptimizer) -> dict:
     out = {"step": opt.step_count, "scale": opt.loss_scale}
     for s in opt.shards:
-        st = opt.adam.state.get(id(s.main))
+        st = opt.update_rule.state.get(id(s.main))
         out[s.name] = s.main.detach().numpy().copy()
         out[s.name + "/m"] = None if st is None else st["exp_avg"].numpy().copy()
         out[s.name + "/v"] = None if st is None else st["exp_avg_sq"].numpy().copy()

@@ -3,9 +3,10 @@
 Each case trains the same small GPT twice in one process group -- synchronised optimizer, then post-validated --
 for 22 iterations with clipping that triggers on some iterations (the clip threshold sits inside the range the
 global norm takes) and gradients forced to inf/NaN on chosen pipeline stages at chosen iterations.  After every
-step (recorded when its outcome is final) the fp32 main parameters, Adam moments, step count, loss scale, learning
-rate, grad norm and skip flag must be identical, and so must every iteration's loss.  Dropout is on: iterations
-whose warm-up forwards ran with weights that validation then changed are replayed with the iteration's RNG state.
+step (recorded when its outcome is final) the fp32 main parameters, optimizer state (Adam moments or SGD momentum
+buffers), step count, loss scale, learning rate, grad norm and skip flag must be identical, and so must every
+iteration's loss.  Dropout is on: iterations whose warm-up forwards ran with weights that validation then changed
+are replayed with the iteration's RNG state.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def _record(tr, st) -> dict:
         "next_lr": tr.scheduler.current_lr,
     }
     for s in opt.shards:
-        state = opt.adam.state.get(id(s.main))
+        state = opt.update_rule.state.get(id(s.main))
         out[s.name] = s.main.detach().float().numpy().copy()
-        out[s.name + "/m"] = None if state is None else state["exp_avg"].numpy().copy()
-        out[s.name + "/v"] = None if state is None else state["exp_avg_sq"].numpy().copy()
+        for key in opt.update_rule.state_keys:  # Adam moments, or SGD momentum buffers
+            out[f"{s.name}/{key}"] = None if state is None else state[key].numpy().copy()
     return out
 
 
@@ -55,7 +56,8 @@ def _train(argv: list[str], world_size: int, inject: dict, iterations: int) -> d
     from megatron.arguments import parse_run_config
     from megatron.parallel.context import ParallelContext
     from megatron.pipeline.trainer_hooks import context_layout
-    from megatron.training import forward_backward, optimizer_step, settle_pending_step, setup
+    from megatron.training_setup import setup
+    from megatron.training_step import forward_backward, optimizer_step, settle_pending_step
 
     run = parse_run_config(argv, world_size=world_size)
     ctx = ParallelContext.initialize(
@@ -137,6 +139,13 @@ def test_pp2_fp16_zb_h1_matches_the_synchronised_optimizer() -> None:
     assert causes["rollback_nonfinite"] + causes["held_nonfinite"] > 0, causes
     assert causes["rollback_clip"] + causes["held_clip"] > 0 and causes["validated"] > 0, causes
     assert results[0]["pv"]["replays"] == results[1]["pv"]["replays"] > 0
+
+
+def test_pp2_sgd_momentum_buffers_roll_back_exactly() -> None:
+    argv = BASE + CLIP + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "4"]
+    argv += ["--optimizer", "sgd", "--sgd-momentum", "0.9", "--pipeline-schedule", "zb-h1"]
+    results = _check(argv, 2, inject={3: (1, "inf"), 8: (0, "nan")}, iterations=12)
+    assert _causes(results)["rollback_nonfinite"] + _causes(results)["held_nonfinite"] > 0
 
 
 def test_pp2_dp2_bf16_distributed_optimizer_matches() -> None:

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from megatron import checkpoint_files as cf
-from megatron.arguments import pad_vocab_size
 from megatron.config.errors import ConfigError
+from megatron.model.config import padded_vocab_size
 from megatron.model.gpt import WORD_EMBEDDING, stage_layer_ranges
-from megatron.optimizer.main_params import OPTIMIZER_STATE_KEYS, assemble_pieces
+from megatron.optimizer.main_params import assemble_pieces
 from megatron.parallel.tensor_parallel.partitioning import merge_shards, shard_tensor
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -79,8 +79,9 @@ def read_full_state(
             steps.update(int(s["step"]) for s in states)
             for name, entry in assemble_pieces([s["pieces"] for s in states]).items():
                 shape = entry["shape"]
-                slot = stage_optim.setdefault(name, {k: [] for k in OPTIMIZER_STATE_KEYS})
-                for k in OPTIMIZER_STATE_KEYS:
+                keys = [k for k in entry if k != "shape"]  # main and the update rule's state (Adam, SGD)
+                slot = stage_optim.setdefault(name, {k: [] for k in keys})
+                for k in keys:
                     slot[k].append(entry[k].view(shape))
         for name, parts in stage_params.items():
             params.setdefault(name, parts)  # the tied output copy on the last stage repeats the embedding
@@ -137,7 +138,9 @@ def convert(load: str | Path, save: str | Path, *, tp: int, pp: int, dp: int, it
     if layers % pp:
         raise ConfigError(f"--num-layers={layers} of the checkpoint does not split over --target-pp {pp} stages")
     full, meta, full_optim, step = read_full_state(directory, manifest, common)
-    padded = pad_vocab_size(int(args["vocab_size"]), int(args["make_vocab_size_divisible_by"]), tp)
+    padded = padded_vocab_size(
+        int(args["vocab_size"]), divisible_by=int(args["make_vocab_size_divisible_by"]), tensor_parallel_size=tp
+    )
     args["padded_vocab_size"] = padded
     tied = not args["untie_embeddings_and_output_weights"]
     out_root = Path(save)
@@ -162,10 +165,7 @@ def convert(load: str | Path, save: str | Path, *, tp: int, pp: int, dp: int, it
                 continue
             shards: list[dict[str, Any]] = [{} for _ in range(dp)]
             for n in names:
-                flat = {
-                    k: _split(full_optim[n][k], meta[n], tp_rank=t, tp=tp, padded_vocab=padded)
-                    for k in OPTIMIZER_STATE_KEYS
-                }
+                flat = {k: _split(v, meta[n], tp_rank=t, tp=tp, padded_vocab=padded) for k, v in full_optim[n].items()}
                 shape = list(flat["main"].shape)
                 numel = flat["main"].numel()
                 per = -(-numel // dp)

@@ -1,4 +1,5 @@
-"""AdamW hyper-parameters, gradient clipping and the distributed (ZeRO-1) optimizer switch."""
+"""The optimizer (``--optimizer``: AdamW or SGD), its hyper-parameters, gradient clipping and the distributed
+(ZeRO-1) optimizer switch."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from megatron.config.errors import require
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Decoupled-weight-decay Adam (AdamW) in fp32; ``clip_grad=0`` disables global grad-norm clipping.
+    """``optimizer`` names an update rule of ``megatron.optimizer.registry`` ("adam": decoupled-weight-decay Adam,
+    AdamW; "sgd": SGD with ``sgd_momentum`` and L2 weight decay, as Megatron), run in fp32; ``clip_grad=0`` disables
+    global grad-norm clipping.
 
     Weight decay is not applied to biases and normalisation weights (any 1-D parameter), as in Megatron.
-    ``use_distributed_optimizer`` shards the fp32 main parameters and Adam states over the data-parallel ranks.
+    ``use_distributed_optimizer`` shards the fp32 main parameters and optimizer states over the data-parallel ranks.
     """
 
     weight_decay: float = 0.01
@@ -21,6 +24,8 @@ class OptimizerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    optimizer: str = "adam"
+    sgd_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         require(self.weight_decay >= 0, f"--weight-decay={self.weight_decay} must be >= 0")
@@ -28,3 +33,4 @@ class OptimizerConfig:
             require(0.0 <= beta < 1.0, f"{flag}={beta} must be in [0, 1)")
         require(self.adam_eps > 0, f"--adam-eps={self.adam_eps} must be > 0")
         require(self.clip_grad >= 0, f"--clip-grad={self.clip_grad} must be >= 0 (0 disables clipping)")
+        require(0.0 <= self.sgd_momentum < 1.0, f"--sgd-momentum={self.sgd_momentum} must be in [0, 1)")

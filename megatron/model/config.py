@@ -1,9 +1,14 @@
 """``GPTConfig``: the architecture of the GPT decoder, validated where it is defined.
 
-Field names are Megatron's flag names (``--num-query-groups`` -> ``num_query_groups``), so a parsed flag set maps
-onto it one to one (``GPTConfig.from_object(model_args)``).  Optional sizes are resolved as Megatron does:
-``num_query_groups`` = heads (plain multi-head attention), ``kv_channels`` = hidden / heads, ``ffn_hidden_size`` =
-4 x hidden (for SwiGLU 2/3 of that, rounded down to a multiple of 64), ``max_position_embeddings`` = seq length.
+This is the one model config: the trainer's flags map onto it one to one (field names are Megatron's flag names,
+``--num-query-groups`` -> ``num_query_groups``) and the model flags take their defaults from its fields
+(``megatron.flag_table``).  Optional sizes are resolved as Megatron does: ``num_query_groups`` = heads (plain
+multi-head attention), ``kv_channels`` = hidden / heads, ``ffn_hidden_size`` = 4 x hidden (for SwiGLU
+``swiglu_ffn_size``), ``max_position_embeddings`` = seq length.
+
+``vocab_size`` = 0 means "not known yet": a run with a tokenizer and no ``--vocab-size`` learns it from the tokenizer
+before the model is built (``megatron.training_setup.resolve_vocab``); building a model needs it
+(``padded_vocab_size`` refuses 0).
 """
 
 from __future__ import annotations
@@ -16,6 +21,18 @@ from megatron.config.errors import ConfigError, require
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
+    """Megatron's embedding rows: ``vocab_size`` rounded up to a multiple of ``divisible_by * tensor_parallel_size``
+    (so every tensor-parallel rank holds an equal, aligned slice of the vocabulary)."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def swiglu_ffn_size(hidden_size: int) -> int:
+    """Megatron's default MLP width with SwiGLU: 2/3 of 4h, rounded down to a multiple of 64 (at least 64)."""
+    return max(64, int((4 * hidden_size * 2 / 3) / 64) * 64)
 
 
 @dataclass(frozen=True)
@@ -42,22 +59,30 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, f"--{_flag(name)}={value} must be a positive integer")
+        require(
+            isinstance(self.vocab_size, int) and self.vocab_size >= 0,
+            f"--vocab-size={self.vocab_size} must be a positive integer (0: taken from the tokenizer)",
+        )
         h, heads = self.hidden_size, self.num_attention_heads
-        if self.kv_channels is None:
-            require(h % heads == 0, f"--hidden-size={h} must be divisible by --num-attention-heads={heads}")
-            object.__setattr__(self, "kv_channels", h // heads)
         groups = heads if self.num_query_groups is None else self.num_query_groups
         object.__setattr__(self, "num_query_groups", groups)
         require(
             groups >= 1 and heads % groups == 0,
-            f"--num-attention-heads={heads} must be divisible by --num-query-groups={groups}",
+            f"--num-attention-heads={heads} is not divisible by --num-query-groups={groups}; "
+            "pick a divisor of the heads",
         )
+        if self.kv_channels is None:
+            require(
+                h % heads == 0,
+                f"--hidden-size={h} is not divisible by --num-attention-heads={heads}; "
+                "pick a multiple of the heads or set --kv-channels",
+            )
+            object.__setattr__(self, "kv_channels", h // heads)
         if self.ffn_hidden_size is None:
-            ffn = 4 * h if not self.swiglu else max(64, (int(4 * h * 2 / 3) // 64) * 64)
-            object.__setattr__(self, "ffn_hidden_size", ffn)
+            object.__setattr__(self, "ffn_hidden_size", swiglu_ffn_size(h) if self.swiglu else 4 * h)
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
         require(self.ffn_hidden_size >= 1, f"--ffn-hidden-size={self.ffn_hidden_size} must be >= 1")
@@ -70,10 +95,11 @@ class GPTConfig:
             self.normalization in NORMALIZATIONS,
             f"--normalization={self.normalization!r} must be one of {NORMALIZATIONS}",
         )
+        seq, max_pos = self.seq_length, self.max_position_embeddings
         require(
-            self.seq_length <= self.max_position_embeddings,
-            f"--seq-length={self.seq_length} exceeds --max-position-embeddings={self.max_position_embeddings}; "
-            "raise --max-position-embeddings or shorten --seq-length",
+            seq <= max_pos,
+            f"--seq-length={seq} is larger than --max-position-embeddings={max_pos}; "
+            f"raise --max-position-embeddings to at least {seq} or shorten --seq-length",
         )
         require(
             self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
@@ -88,6 +114,12 @@ class GPTConfig:
             self.make_vocab_size_divisible_by >= 1,
             f"--make-vocab-size-divisible-by={self.make_vocab_size_divisible_by} must be >= 1",
         )
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of field ``name`` (the model flags' defaults; ``None`` for a required field)."""
+        f = {f.name: f for f in dataclasses.fields(cls)}[name]
+        return None if f.default is dataclasses.MISSING else f.default
 
     # -- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -104,43 +136,50 @@ class GPTConfig:
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """The embedding rows: ``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by * tp``."""
-        multiple = self.make_vocab_size_divisible_by * tp_size
-        return -(-self.vocab_size // multiple) * multiple
+        require(
+            self.vocab_size >= 1,
+            "the vocabulary size is not known yet; pass --vocab-size N or a tokenizer (--tokenizer-type)",
+        )
+        return padded_vocab_size(
+            self.vocab_size, divisible_by=self.make_vocab_size_divisible_by, tensor_parallel_size=tp_size
+        )
 
     def check_tensor_parallel(self, tp_size: int) -> None:
         """Raise ``ConfigError`` unless the model splits over ``tp_size`` tensor-parallel ranks."""
-        heads, groups = self.num_attention_heads, self.num_query_groups
+        heads, groups, ffn = self.num_attention_heads, self.num_query_groups, self.ffn_hidden_size
         require(
             heads % tp_size == 0,
-            f"--num-attention-heads={heads} must be divisible by --tensor-model-parallel-size={tp_size}",
+            f"--num-attention-heads={heads} is not divisible by --tensor-model-parallel-size={tp_size}; "
+            "use a head count that is a multiple of tp or a smaller tp",
         )
         require(
             groups % tp_size == 0,
-            f"--num-query-groups={groups} must be divisible by --tensor-model-parallel-size={tp_size}",
+            f"--num-query-groups={groups} is not divisible by --tensor-model-parallel-size={tp_size}; "
+            "use a multiple of tp query groups or a smaller tp",
         )
         require(
-            self.ffn_hidden_size % tp_size == 0,
-            f"--ffn-hidden-size={self.ffn_hidden_size} must be divisible by --tensor-model-parallel-size={tp_size}",
+            ffn % tp_size == 0,
+            f"--ffn-hidden-size={ffn} is not divisible by --tensor-model-parallel-size={tp_size}; "
+            "pick a multiple of tp",
         )
 
     def check_sequence_parallel(self, tp_size: int, micro_seq_length: int | None = None) -> None:
         s = self.seq_length if micro_seq_length is None else micro_seq_length
         require(
             s % tp_size == 0,
-            f"--seq-length={s} must be divisible by --tensor-model-parallel-size={tp_size} for --sequence-parallel",
+            f"--seq-length={s} is not divisible by --tensor-model-parallel-size={tp_size}, which "
+            "--sequence-parallel needs; pick a multiple of tp or drop --sequence-parallel",
         )
 
     @classmethod
     def from_object(cls, obj: Any) -> GPTConfig:
-        """Build from any object (or mapping) holding the same field names, e.g. the parsed ``ModelArgs``."""
-        get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
-        values = {}
-        for f in dataclasses.fields(cls):
-            if isinstance(obj, dict) and f.name not in obj:
-                continue
-            if not isinstance(obj, dict) and not hasattr(obj, f.name):
-                continue
-            values[f.name] = get(f.name)
+        """Build from any object (or mapping) holding the same field names, e.g. a checkpoint's ``model_args``;
+        names that are not fields (``padded_vocab_size``) are ignored."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(obj, dict):
+            values = {n: obj[n] for n in names if n in obj}
+        else:
+            values = {n: getattr(obj, n) for n in names if hasattr(obj, n)}
         try:
             return cls(**values)
         except TypeError as exc:

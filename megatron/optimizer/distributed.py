@@ -1,10 +1,10 @@
-"""The distributed optimizer (ZeRO-1): fp32 main parameters and Adam states sharded over data-parallel ranks.
+"""The distributed optimizer (ZeRO-1): fp32 main parameters and optimizer states sharded over data-parallel ranks.
 
 The data-parallel reducer (``reduce_op="reduce_scatter"``) leaves each rank the dp-mean gradient only in its own
 equal shard of every bucket, ``bucket.shard(dp_rank)``. This optimizer owns exactly the parameter elements that fall
 in those shards (a parameter may be split between ranks; its pieces are ``MainShard`` ranges ``[lo, hi)``), keeps
-their fp32 main copy and Adam moments, and after the update all-gathers each bucket's updated parameters (in the
-model's dtype) so every rank holds the whole model again.
+their fp32 main copy and update-rule state (Adam moments or SGD momentum buffers), and after the update all-gathers
+each bucket's updated parameters (in the model's dtype) so every rank holds the whole model again.
 
 The update is elementwise, so it equals the plain optimizer's exactly; the grad norm sums the same squares in a
 different order. Gradient statistics count each element once: this rank's shard, tensor-parallel replicas on tp rank
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.optimizer.grad_norm import owns_grad
-from megatron.optimizer.main_params import MainParamOptimizer, MainShard, _fp32_copy
+from megatron.optimizer.main_params import MainParamOptimizer, MainShard, fp32_main_copy
 from megatron.parallel.data_parallel import DataParallelReducer
 
 
@@ -64,7 +64,7 @@ class DistributedOptimizer(MainParamOptimizer):
             if lo >= hi:
                 continue
             grad = self.reducer.buffer[start + lo : start + hi]
-            main = _fp32_copy(p.detach().reshape(-1)[lo:hi])
+            main = fp32_main_copy(p.detach().reshape(-1)[lo:hi])
             main.main_grad = grad
             shards.append(MainShard(name, p, lo, hi, main, grad, owns_grad(p, tp_rank=self.tp_rank)))
         return shards

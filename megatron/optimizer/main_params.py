@@ -8,7 +8,7 @@ One optimizer step (``step``)::
     stats = the pipeline ranks' ``local`` summed in pipeline-rank order    # THE synchronisation across stages
     loss_scaler.update(stats.found_nonfinite)
     if stats.found_nonfinite: skip the step
-    clip main grads by the global norm; AdamW on the fp32 main parameters
+    clip main grads by the global norm; the update rule (``--optimizer``: AdamW or SGD) on the fp32 main parameters
     publish: copy main parameters into the model parameters (cast to bf16/fp16)
 
 The pieces are public and communicate only within a pipeline position, so ``zb_pipeline.optim.post_validation``
@@ -35,7 +35,6 @@ import torch.distributed as dist
 
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.precision import PrecisionConfig
-from megatron.optimizer.adamw import AdamW, default_no_weight_decay
 from megatron.optimizer.grad_norm import (
     GradStats,
     clip_coefficient,
@@ -45,9 +44,11 @@ from megatron.optimizer.grad_norm import (
     sum_squares_and_nonfinite,
 )
 from megatron.optimizer.loss_scaler import LossScaler, build_loss_scaler
+from megatron.optimizer.registry import build_update_rule
+from megatron.optimizer.update_rule import default_no_weight_decay
 from zb_pipeline.optim.post_validation import gather_in_rank_order, local_state
 
-OPTIMIZER_STATE_KEYS = ("main", "exp_avg", "exp_avg_sq")
+PIECE_METADATA = ("lo", "hi", "numel", "shape")  # a checkpoint piece's other entries are flat fp32 tensors
 
 
 @dataclass(eq=False)
@@ -75,7 +76,8 @@ class StepOutcome:
 
 
 class MainParamOptimizer:
-    """fp32 AdamW over fp32 main parameters, loss scaling and global clipping (every dp rank holds everything)."""
+    """The update rule over fp32 main parameters, loss scaling and global clipping (every dp rank holds
+    everything)."""
 
     sharded = False
 
@@ -105,7 +107,7 @@ class MainParamOptimizer:
         self.model_params = params
         self.shards: list[MainShard] = self._build_shards(params)
         by_name = {s.name: s for s in self.shards}
-        self.adam = AdamW(
+        self.update_rule = build_update_rule(
             ((s.name, s.main) for s in self.shards),
             config,
             no_weight_decay=lambda name, _main: default_no_weight_decay(name, by_name[name].param),
@@ -118,7 +120,7 @@ class MainParamOptimizer:
             main_grad = getattr(p, "main_grad", None)
             if main_grad is None:
                 raise ValueError(f"parameter {name} has no main_grad buffer; build the DataParallelReducer first")
-            main = p if p.dtype == torch.float32 else _fp32_copy(p.detach())
+            main = p if p.dtype == torch.float32 else fp32_main_copy(p.detach())
             main.main_grad = main_grad
             shards.append(MainShard(name, p, 0, p.numel(), main, main_grad, owns_grad(p, tp_rank=self.tp_rank)))
         return shards
@@ -134,7 +136,7 @@ class MainParamOptimizer:
 
     @property
     def step_count(self) -> int:
-        return self.adam.step_count
+        return self.update_rule.step_count
 
     # --------------------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -165,11 +167,11 @@ class MainParamOptimizer:
 
     @torch.no_grad()
     def apply_update(self, lr: float, coeff: float) -> None:
-        """Scale the gradients by ``coeff`` (if below 1), AdamW, publish."""
+        """Scale the gradients by ``coeff`` (if below 1), apply the update rule, publish."""
         if coeff < 1.0:
             for s in self.shards:
                 s.grad.mul_(coeff)
-        self.adam.step(lr)
+        self.update_rule.step(lr)
         self.publish()
 
     def update_loss_scale(self, found_nonfinite: bool) -> None:
@@ -189,9 +191,11 @@ class MainParamOptimizer:
     # ------------------------------------------------------------------------ post-validation: exact rollback
     @torch.no_grad()
     def snapshot(self) -> tuple[int, list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
-        """Copies of everything ``apply_update`` changes: step count, main parameters, Adam moments."""
-        states = {k: {n: t.clone() for n, t in v.items()} for k, v in self.adam.state.items()}
-        return self.adam.step_count, [s.main.detach().clone() for s in self.shards], states
+        """Copies of everything ``apply_update`` changes: step count, main parameters, the update rule's state
+        (Adam moments, SGD momentum buffers)."""
+        rule = self.update_rule
+        states = {k: {n: t.clone() for n, t in v.items()} for k, v in rule.state.items()}
+        return rule.step_count, [s.main.detach().clone() for s in self.shards], states
 
     @torch.no_grad()
     def restore(self, snap: tuple[int, list[torch.Tensor], dict[int, dict[str, torch.Tensor]]]) -> None:
@@ -199,8 +203,8 @@ class MainParamOptimizer:
         step, mains, states = snap
         for s, main in zip(self.shards, mains):
             s.main.copy_(main)
-        self.adam.state = states
-        self.adam.step_count = step
+        self.update_rule.state = states
+        self.update_rule.step_count = step
         self.publish()
 
     @torch.no_grad()
@@ -228,10 +232,12 @@ class MainParamOptimizer:
 
     # ------------------------------------------------------------------------------------- checkpoints
     def sharded_state_dict(self) -> dict[str, object]:
-        """This rank's optimizer state as flat pieces per parameter name (tensors and plain data only)."""
+        """This rank's optimizer state as flat pieces per parameter name (tensors and plain data only): the main
+        parameter and each of the update rule's state tensors (zeros before its first step)."""
+        rule = self.update_rule
         pieces: dict[str, dict[str, object]] = {}
         for s in self.shards:
-            st = self.adam.state.get(id(s.main))
+            st = rule.state.get(id(s.main))
             flat_main = s.main.detach().reshape(-1)
             if s.main is s.param:
                 flat_main = flat_main[s.lo : s.hi]
@@ -242,10 +248,10 @@ class MainParamOptimizer:
                 "shape": list(s.param.shape),
                 "main": flat_main.float().clone(),
             }
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in rule.state_keys:
                 piece[key] = st[key].reshape(-1).clone() if st is not None else torch.zeros(s.hi - s.lo)
             pieces[s.name] = piece
-        return {"step": self.adam.step_count, "pieces": pieces}
+        return {"step": rule.step_count, "pieces": pieces}
 
     @torch.no_grad()
     def load_sharded_state_dicts(self, states: list[dict[str, object]]) -> None:
@@ -254,6 +260,7 @@ class MainParamOptimizer:
         if len(steps) != 1:
             raise ValueError(f"optimizer shards disagree on the step count: {sorted(steps)}")
         full = assemble_pieces([st["pieces"] for st in states])  # type: ignore[misc]
+        rule = self.update_rule
         for s in self.shards:
             if s.name not in full:
                 raise ValueError(f"optimizer state has no entry for parameter {s.name}")
@@ -262,15 +269,23 @@ class MainParamOptimizer:
                 raise ValueError(
                     f"optimizer state for {s.name} has {entry['main'].numel()} elements, the model {s.param.numel()}"
                 )
+            missing = [k for k in rule.state_keys if k not in entry]
+            if missing:
+                saved = ", ".join(k for k in entry if k not in ("main", "shape")) or "none"
+                raise ValueError(
+                    f"it holds {saved} but --optimizer {self.config.optimizer} needs {', '.join(missing)} (saved by "
+                    "another --optimizer); resume with that optimizer or pass --no-load-optim"
+                )
             s.main.copy_(entry["main"][s.lo : s.hi].view_as(s.main))
-            self.adam.state[id(s.main)] = {
-                k: entry[k][s.lo : s.hi].clone().view_as(s.main).to(s.main.device) for k in ("exp_avg", "exp_avg_sq")
+            rule.state[id(s.main)] = {
+                k: entry[k][s.lo : s.hi].clone().view_as(s.main).to(s.main.device) for k in rule.state_keys
             }
-        self.adam.step_count = steps.pop()  # the caller publishes (a collective for the distributed optimizer)
+        rule.step_count = steps.pop()  # the caller publishes (a collective for the distributed optimizer)
 
 
 def assemble_pieces(piece_dicts: list[dict[str, dict[str, object]]]) -> dict[str, dict[str, torch.Tensor]]:
-    """Full flat ``main``/``exp_avg``/``exp_avg_sq`` per parameter name from pieces ``[lo, hi)`` that tile it."""
+    """Full flat ``main`` and optimizer-state tensors (``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``) per
+    parameter name, plus its ``shape``, from pieces ``[lo, hi)`` that tile it."""
     by_name: dict[str, list[dict[str, object]]] = {}
     for pieces in piece_dicts:
         for name, piece in pieces.items():
@@ -286,11 +301,13 @@ def assemble_pieces(piece_dicts: list[dict[str, dict[str, object]]]) -> dict[str
             cursor = int(p["hi"])  # type: ignore[arg-type]
         if cursor != numel:
             raise ValueError(f"optimizer pieces of {name} cover [0, {cursor}) of [0, {numel})")
-        entry = {k: torch.cat([p[k] for p in parts]) for k in OPTIMIZER_STATE_KEYS}  # type: ignore[misc]
+        keys = [k for k in parts[0] if k not in PIECE_METADATA]
+        entry = {k: torch.cat([p[k] for p in parts]) for k in keys}  # type: ignore[misc]
         entry["shape"] = list(parts[0]["shape"])  # type: ignore[assignment,arg-type]
         out[name] = entry
     return out
 
 
-def _fp32_copy(t: torch.Tensor) -> torch.nn.Parameter:
+def fp32_main_copy(t: torch.Tensor) -> torch.nn.Parameter:
+    """A detached fp32 copy of ``t`` as a parameter: the main parameter of a half-precision (or sharded) one."""
     return torch.nn.Parameter(t.detach().float().clone(), requires_grad=True)

@@ -1,7 +1,7 @@
 """Tokenizers: GPT-2 byte-level BPE (Rust-backed, with a pure-Python reference), SentencePiece, HuggingFace, Null."""
 
 from megatron.tokenizer.base import MegatronTokenizer, clean_text
-from megatron.tokenizer.build import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer, padded_vocab_size
+from megatron.tokenizer.build import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -9,5 +9,4 @@ __all__ = [
     "TokenizerConfig",
     "build_tokenizer",
     "clean_text",
-    "padded_vocab_size",
 ]

@@ -69,9 +69,3 @@ def build_tokenizer(config: Any, *, backend: str = "auto") -> MegatronTokenizer:
     from megatron.tokenizer.simple_tokenizers import NullTokenizer
 
     return NullTokenizer(config.vocab_size)
-
-
-def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
-    """Megatron's embedding size: `vocab_size` rounded up to a multiple of divisible_by * tensor_parallel_size."""
-    multiple = divisible_by * tensor_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
