@@ -5,9 +5,10 @@ What a checkpoint holds (files and atomic commit: ``megatron.checkpoint_files``)
 
 - the model weights of every (tp, pp) position, keyed by *global* parameter name, with how each is split over
   tensor-parallel ranks (for ``tools/checkpoint_convert.py``);
-- the optimizer as pieces ``[lo, hi)`` of each parameter's flat fp32 main copy and Adam moments, one file per
-  data-parallel shard (distributed optimizer) or one per (tp, pp) (plain): the loader re-tiles the pieces, so either
-  optimizer, at any data-parallel size, resumes from either kind;
+- the optimizer as pieces ``[lo, hi)`` of each parameter's flat fp32 main copy and update-rule state (Adam moments,
+  or SGD momentum buffers with ``--optimizer sgd``), one file per data-parallel shard (distributed optimizer) or one
+  per (tp, pp) (plain): the loader re-tiles the pieces, so either optimizer, at any data-parallel size, resumes from
+  either kind;
 - the LR schedule, the loss scaler, the iteration, the data position, skip/nan counters, the model and layout
   configs (``common.pt``); every rank's Python, NumPy and torch RNG states (and a tensor-parallel RNG tracker's,
   when the model has one).
@@ -32,7 +33,7 @@ from megatron.config.errors import ConfigError, RunAbortedError
 from megatron.parallel.tensor_parallel import VocabParallelEmbedding
 
 if TYPE_CHECKING:
-    from megatron.training import Trainer
+    from megatron.trainer_state import Trainer
 
 
 # ----------------------------------------------------------------------------------------------- what is saved
@@ -120,7 +121,8 @@ def common_state(tr: Trainer, iteration: int) -> dict[str, Any]:
         "nan_iterations": tr.nan_iterations,
         "scheduler": tr.scheduler.state_dict(),
         "loss_scaler": tr.optimizer.scaler.state_dict(),
-        "model_args": dataclasses.asdict(tr.run.model),
+        # the model config, and the padded vocabulary for tools/checkpoint_convert.py (checked apart: it follows tp)
+        "model_args": {**dataclasses.asdict(tr.run.model), "padded_vocab_size": tr.run.padded_vocab_size},
         "layout": layout_of(tr),
         "has_rng": True,
         "has_optimizer": True,
@@ -221,13 +223,9 @@ def _check_compatible(tr: Trainer, common: dict[str, Any], directory: Path) -> N
             f"tp={tr.ctx.tp_size}, pp={tr.ctx.pp_size}; re-partition it with tools/checkpoint_convert.py "
             f"--target-tp {tr.ctx.tp_size} --target-pp {tr.ctx.pp_size}"
         )
-    saved_model = common["model_args"]
+    saved_model = common["model_args"]  # its padded_vocab_size follows tp, checked above; the config's fields here
     ours = dataclasses.asdict(tr.run.model)
-    diffs = [
-        f"{k}={saved_model.get(k)!r} (run: {v!r})"
-        for k, v in ours.items()
-        if saved_model.get(k) != v and k != "padded_vocab_size"  # the padding follows tp (checked below)
-    ]
+    diffs = [f"{k}={saved_model.get(k)!r} (run: {v!r})" for k, v in ours.items() if saved_model.get(k) != v]
     if diffs:
         raise ConfigError(
             f"checkpoint {directory} is of another model: {', '.join(diffs[:4])}; "

@@ -1,5 +1,6 @@
 """Flags -> configs (Megatron names and meanings, sizes, YAML), ignored flags, and bad input: one line, exit 2."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from megatron.arguments import KNOWN_IGNORED_FLAGS, parse_run_config, swiglu_ffn_size
+from megatron.arguments import parse_run_config
 from megatron.config.errors import ConfigError
 from megatron.config.model_sizes import MODEL_SIZES
+from megatron.flag_table import KNOWN_IGNORED_FLAGS, build_parser
+from megatron.model.config import GPTConfig, swiglu_ffn_size
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["--mock-data", "--train-iters", "10", "--lr", "1e-3"]
@@ -43,7 +46,7 @@ def test_megatron_flags_map_onto_component_configs():
         True,
     )
     assert (m.attention_dropout, m.hidden_dropout, m.init_method_std) == (0.0, 0.05, 0.01)
-    assert (m.vocab_size, m.padded_vocab_size) == (1000, 1024)  # next multiple of 64 x tp
+    assert (m.vocab_size, run.padded_vocab_size) == (1000, 1024)  # next multiple of 64 x tp
     assert run.dp_size == 2 and run.num_microbatches == 4 and run.global_batch_size == 16
     assert run.parallel.tp_size == 2 and run.parallel.sequence_parallel and run.parallel.distributed_timeout_s == 120
     assert (run.lr_schedule.lr, run.lr_schedule.min_lr, run.lr_schedule.decay_style) == (1e-3, 1e-5, "cosine")
@@ -62,11 +65,24 @@ def test_megatron_defaults_and_derivations():
     assert (m.attention_dropout, m.hidden_dropout, m.init_method_std) == (0.1, 0.1, 0.02)
     assert run.global_batch_size == 1 and run.num_microbatches == 1
     assert run.optimizer.clip_grad == 1.0 and run.lr_schedule.decay_style == "linear"
+    assert (run.optimizer.optimizer, run.optimizer.sgd_momentum) == ("adam", 0.9)
+    sgd = parse_run_config([*TINY, "--optimizer", "sgd", "--sgd-momentum", "0.5"]).optimizer
+    assert (sgd.optimizer, sgd.sgd_momentum) == ("sgd", 0.5)
     assert run.parallel.distributed_timeout_s == 600
     # sequence parallelism is meaningless without tp and is switched off, as in Megatron
     assert not parse_run_config([*TINY, "--sequence-parallel"]).parallel.sequence_parallel
     secs = parse_run_config([*TINY, "--distributed-timeout-seconds", "7"])
     assert secs.parallel.distributed_timeout_s == 7
+
+
+def test_model_flags_are_gptconfig_fields_with_its_defaults():
+    run = parse_run_config([*TINY], world_size=1)
+    assert isinstance(run.model, GPTConfig)  # the one model config: no separate flag-level model record
+    _, table = build_parser()
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    assert table.model_keys == fields | {"group_query_attention"}  # what a --model-config file may set
+    for name in fields - {"num_query_groups"}:  # Megatron's --num-query-groups default (1) applies with GQA only
+        assert table.defaults[name] == GPTConfig.default(name), name
 
 
 def test_named_sizes_yaml_and_explicit_flag_precedence(tmp_path):
@@ -134,6 +150,7 @@ BAD_INPUT = {
     "unknown-flag": ([*TINY, "--frobnicate"], 1, "unrecognized arguments: --frobnicate"),
     "bad-value": ([*TINY, "--num-layers", "two"], 1, "invalid"),
     "bad-choice": ([*TINY, "--normalization", "BatchNorm"], 1, "invalid choice"),
+    "bad-optimizer": ([*TINY, "--optimizer", "adagrad"], 1, "argument --optimizer: invalid choice: 'adagrad'"),
     "negative-lr": ([*TINY, "--lr", "-1"], 1, "--lr=-1.0 must be > 0"),
     "pipeline-schedule": (
         [*TINY, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b", "--enable-zero-bubble"],

@@ -66,6 +66,11 @@ def test_resume_is_bit_exact_dp2_distributed_optimizer(tmp_path):
     _resume_case(tmp_path, ["--use-distributed-optimizer"], 2)
 
 
+def test_resume_is_bit_exact_sgd_dp2_distributed_optimizer(tmp_path):
+    # the momentum buffers are sharded, saved and re-tiled like Adam's moments; without them the resume would differ
+    _resume_case(tmp_path, ["--optimizer", "sgd", "--sgd-momentum", "0.8", "--use-distributed-optimizer"], 2)
+
+
 @pytest.mark.slow
 def test_resume_is_bit_exact_tp2_dp2_distributed_optimizer(tmp_path):
     _resume_case(tmp_path, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], 4)

@@ -18,7 +18,9 @@ from megatron.config.errors import RunAbortedError
 from megatron.config.precision import PrecisionConfig
 from megatron.optimizer.loss_scaler import ConstantLossScaler, DynamicLossScaler, build_loss_scaler
 from megatron.parallel.context import ParallelContext
-from megatron.training import forward_backward, optimizer_step, pretrain, setup, train_step
+from megatron.training import pretrain
+from megatron.training_setup import setup
+from megatron.training_step import forward_backward, optimizer_step, train_step
 
 ACCURACY = [
     "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

@@ -153,7 +153,8 @@ def _bucket_launch_rank(rank: int, world_size: int) -> dict:
 
     from megatron.arguments import parse_run_config
     from megatron.parallel.context import ParallelContext
-    from megatron.training import forward_backward, setup
+    from megatron.training_setup import setup
+    from megatron.training_step import forward_backward
 
     torch.set_num_threads(1)
     ctx = ParallelContext.initialize(pp=2, timeout=timedelta(seconds=60))

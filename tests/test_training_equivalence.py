@@ -54,7 +54,8 @@ def train_layout(argv: list[str], world_size: int) -> dict:
 
     from megatron.arguments import parse_run_config
     from megatron.parallel.context import ParallelContext
-    from megatron.training import forward_backward, optimizer_step, setup, train_step
+    from megatron.training_setup import setup
+    from megatron.training_step import forward_backward, optimizer_step, train_step
 
     torch.set_num_threads(1)
     run = parse_run_config(argv, world_size=world_size)

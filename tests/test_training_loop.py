@@ -8,7 +8,8 @@ import torch
 
 from megatron.arguments import parse_run_config
 from megatron.config.errors import ConfigError
-from megatron.training import microbatch_indices, pretrain
+from megatron.microbatches import microbatch_indices
+from megatron.training import pretrain
 from megatron.training_log import IterationStats, format_iteration_line, model_flops_per_iteration
 
 # Megatron-LM's training_log line, field by field (what existing log parsers match).

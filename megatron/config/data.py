@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron.config.errors import require
 
 NO_DATA_MESSAGE = "no training data: pass --data-path PREFIX (a preprocessed .bin/.idx dataset) or --mock-data"
+MOCK_DATA_VOCAB_SIZE = 1024  # the vocabulary of --mock-data without --vocab-size
 
 
 @dataclass(frozen=True)

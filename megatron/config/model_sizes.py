@@ -22,33 +22,6 @@ import yaml
 
 from megatron.config.errors import ConfigError
 
-# Flag destinations a model config may set (argparse ``dest`` names of the model flags).
-MODEL_KEYS: frozenset[str] = frozenset(
-    {
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "group_query_attention",
-        "num_query_groups",
-        "ffn_hidden_size",
-        "kv_channels",
-        "seq_length",
-        "max_position_embeddings",
-        "make_vocab_size_divisible_by",
-        "vocab_size",
-        "untie_embeddings_and_output_weights",
-        "position_embedding_type",
-        "rotary_base",
-        "normalization",
-        "norm_epsilon",
-        "swiglu",
-        "attention_dropout",
-        "hidden_dropout",
-        "init_method_std",
-        "add_bias_linear",
-    }
-)
-
 
 def _gpt(layers: int, hidden: int, heads: int, seq: int = 2048) -> dict[str, Any]:
     return {
@@ -77,22 +50,21 @@ def available_sizes() -> tuple[str, ...]:
     return tuple(MODEL_SIZES)
 
 
-def _normalise_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
+def _normalise_keys(raw: dict[str, Any], source: str, allowed: frozenset[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in raw.items():
         dest = str(key).strip().lstrip("-").replace("-", "_")
         if dest == "base":
             continue
-        if dest not in MODEL_KEYS:
-            raise ConfigError(
-                f"{source}: unknown model setting {key!r}; allowed: {', '.join(sorted(MODEL_KEYS))}, base"
-            )
+        if dest not in allowed:
+            raise ConfigError(f"{source}: unknown model setting {key!r}; allowed: {', '.join(sorted(allowed))}, base")
         out[dest] = value
     return out
 
 
-def load_model_config(name_or_path: str, *, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Resolve a named size or a YAML file (following ``base:`` chains) to a dict of model-flag values."""
+def load_model_config(name_or_path: str, *, allowed: frozenset[str], _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Resolve a named size or a YAML file (following ``base:`` chains) to a dict of model-flag values; ``allowed``
+    are the flag destinations a file may set (the model flags of ``megatron.flag_table``)."""
     if name_or_path in MODEL_SIZES:
         return dict(MODEL_SIZES[name_or_path])
     path = Path(name_or_path)
@@ -122,6 +94,6 @@ def load_model_config(name_or_path: str, *, _seen: tuple[str, ...] = ()) -> dict
             candidate = path.parent / base_str
             if candidate.is_file():
                 base_str = str(candidate)
-        values.update(load_model_config(base_str, _seen=(*_seen, key)))
-    values.update(_normalise_keys(raw, f"--model-config {name_or_path}"))
+        values.update(load_model_config(base_str, allowed=allowed, _seen=(*_seen, key)))
+    values.update(_normalise_keys(raw, f"--model-config {name_or_path}", allowed))
     return values

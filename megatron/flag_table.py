@@ -1,0 +1,352 @@
+"""The flag table of ``pretrain_gpt.py``: every Megatron-LM flag it accepts, with type, default and help.
+
+``build_parser()`` returns the argparse parser and a ``FlagTable`` holding each flag's default, type and choices.
+Flags are registered with ``default=SUPPRESS``, so the parsed namespace holds only what the command line gave and
+``megatron.arguments`` can layer defaults < ``--model-config`` < explicit flags.  Model flags take their defaults
+from ``GPTConfig`` (the one model config); ``--optimizer`` takes its choices from the optimizer registry.
+
+Flags of Megatron-LM that do not apply here are accepted with a one-line warning each (``KNOWN_IGNORED_FLAGS``),
+so existing launch scripts run unchanged; any other unknown flag is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.config.data import MOCK_DATA_VOCAB_SIZE
+from megatron.config.errors import ConfigError
+from megatron.config.lr_schedule import LR_DECAY_STYLES
+from megatron.config.model_sizes import available_sizes
+from megatron.model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
+from megatron.optimizer.registry import optimizer_names
+from megatron.pipeline.schedule_flags import schedule_flag_specs
+
+# Megatron-LM flags accepted for compatibility but without effect here: flag -> (takes a value?, why it is ignored).
+KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
+    "--use-mcore-models": (False, "there is one model implementation"),
+    "--use-legacy-models": (False, "there is one model implementation"),
+    "--transformer-impl": (True, "there is one transformer implementation"),
+    "--use-flash-attn": (False, "attention always goes through scaled_dot_product_attention"),
+    "--no-masked-softmax-fusion": (False, "no fused kernels; softmax is inside scaled_dot_product_attention"),
+    "--masked-softmax-fusion": (False, "no fused kernels; softmax is inside scaled_dot_product_attention"),
+    "--no-bias-gelu-fusion": (False, "no fused bias-gelu kernel"),
+    "--bias-gelu-fusion": (False, "no fused bias-gelu kernel"),
+    "--no-bias-swiglu-fusion": (False, "no fused bias-swiglu kernel"),
+    "--no-bias-dropout-fusion": (False, "no fused bias-dropout kernel"),
+    "--no-rope-fusion": (False, "no fused rope kernel"),
+    "--no-persist-layer-norm": (False, "no persistent layer-norm kernel"),
+    "--no-gradient-accumulation-fusion": (False, "weight gradients always accumulate into fp32 main_grad"),
+    "--attention-softmax-in-fp32": (False, "scaled_dot_product_attention chooses its own softmax precision"),
+    "--apply-query-key-layer-scaling": (False, "attention is scaled by 1/sqrt(head dim) only"),
+    "--accumulate-allreduce-grads-in-fp32": (False, "gradients are always reduced in fp32 main-gradient buffers"),
+    "--overlap-grad-reduce": (False, "the data-parallel reducer always overlaps bucket reductions with backward"),
+    "--no-async-tensor-model-parallel-allreduce": (False, "tensor-parallel collectives are not made asynchronous"),
+    "--use-cpu-initialization": (False, "parameters are always initialised from the seed and global name"),
+    "--distributed-backend": (True, "the backend is chosen automatically (nccl on GPU, gloo on CPU)"),
+    "--log-throughput": (False, "tokens/s and TFLOP/s are always logged"),
+    "--timing-log-level": (True, "no per-region timers"),
+    "--log-timers-to-tensorboard": (False, "no per-region timers"),
+    "--log-params-norm": (False, "not implemented"),
+    "--ckpt-format": (True, "checkpoints are always per-rank torch files with a verified manifest"),
+    "--use-dist-ckpt": (False, "checkpoints are always per-rank torch files with a verified manifest"),
+}
+
+
+class IgnoredFlagAction(argparse.Action):
+    """Records that an ignored flag was given (in ``namespace._ignored_flags``), so the caller can warn once."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None):
+        seen = list(getattr(namespace, "_ignored_flags", []))
+        if option not in seen:
+            seen.append(option)
+        namespace._ignored_flags = seen
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises ``ConfigError`` (one line) instead of printing usage and calling ``sys.exit``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ConfigError(f"{message}; see `pretrain_gpt.py --help`")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+positive_int.__name__ = "positive int"  # argparse names the type in its message: "invalid positive int value"
+
+
+@dataclass
+class FlagTable:
+    """Flags registered with ``default=SUPPRESS`` so only explicit ones reach the namespace; defaults kept here."""
+
+    parser: OneLineParser
+    defaults: dict[str, Any] = field(default_factory=dict)
+    types: dict[str, Callable[[str], Any] | None] = field(default_factory=dict)
+    choices: dict[str, Sequence[Any] | None] = field(default_factory=dict)
+    model_keys: frozenset[str] = frozenset()  # the model flags' destinations: what a --model-config may set
+
+    def add(
+        self,
+        group: argparse._ArgumentGroup,
+        flag: str,
+        *,
+        type: Callable[[str], Any] | None = None,
+        default: Any = None,
+        help: str,
+        choices: Sequence[Any] | None = None,
+        switch: bool = False,
+        dest: str | None = None,
+        nargs: str | None = None,
+        store_false: bool = False,
+    ) -> None:
+        dest = dest or flag.lstrip("-").replace("-", "_")
+        shown = f" (default: {default})" if default is not None and not switch else ""
+        if switch:
+            action = "store_false" if store_false else "store_true"
+            group.add_argument(flag, dest=dest, action=action, default=argparse.SUPPRESS, help=help)
+            self.defaults[dest] = store_false
+            self.types[dest] = bool
+        else:
+            group.add_argument(
+                flag,
+                dest=dest,
+                type=type,
+                default=argparse.SUPPRESS,
+                help=help + shown,
+                choices=choices,
+                nargs=nargs,
+            )
+            self.defaults[dest] = default
+            self.types[dest] = type
+        self.choices[dest] = choices
+
+    def add_model_flag(self, group: argparse._ArgumentGroup, flag: str, **kwargs: Any) -> None:
+        """A flag of a ``GPTConfig`` field: its default is the field's (a switch's is checked against it)."""
+        dest = kwargs.get("dest") or flag.lstrip("-").replace("-", "_")
+        default = GPTConfig.default(dest)
+        if kwargs.get("switch"):
+            if default != kwargs.get("store_false", False):
+                raise AssertionError(f"{flag}: the switch's default must be GPTConfig.{dest}={default!r}")
+            self.add(group, flag, **kwargs)
+        else:
+            self.add(group, flag, default=default, **kwargs)
+
+
+def build_parser() -> tuple[OneLineParser, FlagTable]:
+    """The argparse parser for ``pretrain_gpt.py`` and the table of defaults and types behind it."""
+    parser = OneLineParser(
+        prog="pretrain_gpt.py",
+        description="Pretrain a GPT model (Megatron-LM flags) with tensor, data and zero-bubble pipeline parallelism.",
+        allow_abbrev=False,
+    )
+    table = FlagTable(parser)
+    _model_flags(table)
+    _training_flags(table)
+    _optimizer_flags(table)
+    _parallel_flags(table)
+    _data_flags(table)
+    _checkpoint_flags(table)
+    _precision_flags(table)
+    _logging_flags(table)
+    g = parser.add_argument_group("pipeline schedule (megatron.pipeline.schedule_flags: flags and fork-flag mapping)")
+    for flag, spec in schedule_flag_specs():
+        table.add(g, flag, **spec)
+    g = parser.add_argument_group("ignored Megatron-LM flags (accepted with a warning)")
+    for flag, (takes_value, _why) in KNOWN_IGNORED_FLAGS.items():
+        g.add_argument(
+            flag,
+            action=IgnoredFlagAction,
+            nargs=None if takes_value else 0,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
+    return parser, table
+
+
+def _model_flags(t: FlagTable) -> None:
+    pi, fl = positive_int, float
+    g = t.parser.add_argument_group("model")
+    g.add_argument(
+        "--model-config",
+        default=None,
+        help=f"named size ({', '.join(available_sizes())}) or a YAML file of model flags; explicit flags override it",
+    )
+    before = set(t.defaults)
+    m = t.add_model_flag
+    m(g, "--num-layers", type=pi, help="transformer layers")
+    m(g, "--hidden-size", type=pi, help="transformer hidden size")
+    m(g, "--num-attention-heads", type=pi, help="attention heads")
+    t.add(g, "--group-query-attention", switch=True, help="use grouped-query attention (see --num-query-groups)")
+    # Megatron's flag default (1: multi-query) applies with --group-query-attention; without it groups = heads.
+    t.add(g, "--num-query-groups", type=pi, default=1, help="key/value groups with --group-query-attention")
+    m(g, "--ffn-hidden-size", type=pi, help="MLP hidden size (default 4*hidden, or ~8/3*hidden with --swiglu)")
+    m(g, "--kv-channels", type=pi, help="per-head dimension (default hidden/heads)")
+    m(g, "--seq-length", type=pi, help="tokens per sample")
+    m(g, "--max-position-embeddings", type=pi, help="position table size (default --seq-length)")
+    m(g, "--make-vocab-size-divisible-by", type=pi, help="pad the vocabulary to a multiple of this x tp")
+    # Required unless --mock-data or a tokenizer gives it: the flag has no model default.
+    t.add(
+        g,
+        "--vocab-size",
+        type=pi,
+        default=None,
+        help=f"vocabulary size (mock data / null tokenizer; default {MOCK_DATA_VOCAB_SIZE} with --mock-data)",
+    )
+    m(g, "--untie-embeddings-and-output-weights", switch=True, help="separate output-layer weights")
+    m(g, "--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, help="position embedding")
+    m(g, "--rotary-base", type=pi, help="RoPE base")
+    m(g, "--normalization", choices=NORMALIZATIONS, help="normalisation layer")
+    m(g, "--norm-epsilon", type=fl, help="epsilon of the normalisation layers")
+    m(g, "--swiglu", switch=True, help="SwiGLU MLP instead of GeLU")
+    m(g, "--disable-bias-linear", switch=True, store_false=True, dest="add_bias_linear", help="no biases in linears")
+    m(g, "--attention-dropout", type=fl, help="dropout on attention probabilities")
+    m(g, "--hidden-dropout", type=fl, help="dropout on hidden states")
+    m(g, "--init-method-std", type=fl, help="std of the normal weight initialisation")
+    t.model_keys = frozenset(set(t.defaults) - before)
+
+
+def _training_flags(t: FlagTable) -> None:
+    pi = positive_int
+    g = t.parser.add_argument_group("training")
+    t.add(g, "--micro-batch-size", type=pi, default=1, help="samples per microbatch per data-parallel rank")
+    t.add(g, "--global-batch-size", type=pi, default=None, help="samples per iteration (default micro x dp)")
+    t.add(g, "--train-iters", type=pi, default=None, help="iterations to train (required)")
+    t.add(g, "--eval-interval", type=pi, default=1000, help="iterations between validations")
+    t.add(g, "--eval-iters", type=int, default=100, help="validation iterations (0 disables validation)")
+    t.add(g, "--exit-interval", type=pi, default=None, help="exit after the iteration that is a multiple of this")
+    t.add(g, "--seed", type=int, default=1234, help="seed of initialisation, dropout and mock data")
+    t.add(
+        g,
+        "--manual-gc",
+        switch=True,
+        help="Python's garbage collector only at iteration boundaries (young generations after each iteration), "
+        "not whenever it triggers mid-pipeline on one rank",
+    )
+    t.add(
+        g,
+        "--manual-gc-interval",
+        type=int,
+        default=0,
+        help="--manual-gc: full collection every N iterations (0: never)",
+    )
+    t.add(
+        g,
+        "--no-manual-gc-eval",
+        switch=True,
+        store_false=True,
+        dest="manual_gc_eval",
+        help="--manual-gc: no full collection before and after each evaluation",
+    )
+
+
+def _optimizer_flags(t: FlagTable) -> None:
+    pi, fl = positive_int, float
+    g = t.parser.add_argument_group("optimizer and learning rate")
+    t.add(
+        g,
+        "--optimizer",
+        default="adam",
+        choices=optimizer_names(),
+        help="update rule (adam: AdamW with --adam-*; sgd: SGD with --sgd-momentum)",
+    )
+    t.add(g, "--lr", type=fl, default=None, help="peak learning rate (required)")
+    t.add(g, "--min-lr", type=fl, default=0.0, help="learning rate at the end of decay")
+    t.add(g, "--lr-decay-style", default="linear", choices=LR_DECAY_STYLES, help="decay after warmup")
+    t.add(g, "--lr-warmup-iters", type=int, default=0, help="linear warmup iterations")
+    t.add(g, "--lr-decay-iters", type=pi, default=None, help="iterations of decay (default --train-iters)")
+    t.add(
+        g,
+        "--weight-decay",
+        type=fl,
+        default=0.01,
+        help="weight decay, not on biases/norms (adam: decoupled, as AdamW; sgd: L2 added to the gradient)",
+    )
+    t.add(g, "--clip-grad", type=fl, default=1.0, help="global grad-norm clip (0 disables)")
+    t.add(g, "--adam-beta1", type=fl, default=0.9, help="Adam beta1")
+    t.add(g, "--adam-beta2", type=fl, default=0.999, help="Adam beta2")
+    t.add(g, "--adam-eps", type=fl, default=1e-8, help="Adam epsilon")
+    t.add(g, "--sgd-momentum", type=fl, default=0.9, help="SGD momentum (--optimizer sgd)")
+
+
+def _parallel_flags(t: FlagTable) -> None:
+    pi, fl = positive_int, float
+    g = t.parser.add_argument_group("parallelism")
+    t.add(g, "--tensor-model-parallel-size", type=pi, default=1, help="tensor-parallel size")
+    t.add(g, "--pipeline-model-parallel-size", type=pi, default=1, help="pipeline-parallel size")
+    t.add(g, "--sequence-parallel", switch=True, help="sequence parallelism in norms/dropout (needs tp > 1)")
+    t.add(g, "--decoder-first-pipeline-num-layers", type=pi, default=None, help="layers on the first stage")
+    t.add(g, "--decoder-last-pipeline-num-layers", type=pi, default=None, help="layers on the last stage")
+    t.add(g, "--allow-padding-num-layers", switch=True, help="allow stages with fewer layers when they do not split")
+    t.add(g, "--distributed-timeout-minutes", type=fl, default=10.0, help="timeout of every collective")
+    t.add(
+        g, "--distributed-timeout-seconds", type=fl, default=None, help="timeout in seconds (tests); overrides minutes"
+    )
+
+
+def _data_flags(t: FlagTable) -> None:
+    g = t.parser.add_argument_group("data")
+    t.add(g, "--data-path", nargs="*", default=None, help="dataset prefix, or weight prefix weight prefix ... to blend")
+    t.add(g, "--split", default="969, 30, 1", help="train/valid/test proportions")
+    t.add(g, "--mock-data", switch=True, help="synthetic learnable tokens (seeded Markov chain); no dataset needed")
+    t.add(g, "--tokenizer-type", default=None, help="tokenizer (e.g. GPT2BPETokenizer, HuggingFaceTokenizer)")
+    t.add(g, "--vocab-file", default=None, help="tokenizer vocabulary file")
+    t.add(g, "--merge-file", default=None, help="BPE merges file")
+    t.add(g, "--tokenizer-model", default=None, help="tokenizer model file or name")
+    t.add(g, "--num-workers", type=int, default=0, help="data-loader worker processes")
+
+
+def _checkpoint_flags(t: FlagTable) -> None:
+    g = t.parser.add_argument_group("checkpointing")
+    t.add(g, "--save", default=None, help="directory to save checkpoints to")
+    t.add(g, "--load", default=None, help="directory to load a checkpoint from")
+    t.add(g, "--save-interval", type=positive_int, default=None, help="iterations between checkpoints")
+    t.add(g, "--no-load-optim", switch=True, help="do not restore optimizer, loss scaler and LR schedule")
+    t.add(g, "--no-load-rng", switch=True, help="do not restore the RNG states")
+    t.add(g, "--finetune", switch=True, help="load model weights only and start at iteration 0")
+    t.add(g, "--exit-signal-handler", switch=True, help="on SIGTERM save at the end of the iteration and exit")
+
+
+def _precision_flags(t: FlagTable) -> None:
+    pi, fl = positive_int, float
+    g = t.parser.add_argument_group("mixed precision")
+    t.add(g, "--bf16", switch=True, help="bfloat16 model with fp32 main parameters and gradients")
+    t.add(g, "--fp16", switch=True, help="float16 model with fp32 main parameters/gradients and loss scaling")
+    t.add(g, "--loss-scale", type=fl, default=None, help="fixed fp16 loss scale (default: dynamic)")
+    t.add(g, "--initial-loss-scale", type=fl, default=2.0**32, help="first dynamic loss scale")
+    t.add(g, "--min-loss-scale", type=fl, default=1.0, help="smallest dynamic loss scale")
+    t.add(g, "--loss-scale-window", type=pi, default=1000, help="clean iterations before the scale doubles")
+    t.add(g, "--hysteresis", type=pi, default=2, help="overflowing iterations before the scale halves")
+    t.add(
+        g,
+        "--check-for-nan-in-loss-and-grad",
+        switch=True,
+        help="stop the run on a NaN/inf loss or (bf16/fp32) gradient instead of skipping the step",
+    )
+    g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        default=argparse.SUPPRESS,
+        help="skip (count) NaN/inf iterations instead of stopping (the default)",
+    )
+    t.add(
+        g,
+        "--use-distributed-optimizer",
+        switch=True,
+        help="shard main params and optimizer states over dp (ZeRO-1)",
+    )
+
+
+def _logging_flags(t: FlagTable) -> None:
+    g = t.parser.add_argument_group("logging")
+    t.add(g, "--log-interval", type=positive_int, default=100, help="iterations between log lines")
+    t.add(g, "--tensorboard-dir", default=None, help="write TensorBoard scalars here (if tensorboard is installed)")
+    t.add(g, "--wandb-project", default=None, help="log to this Weights & Biases project (if wandb is installed)")
+    t.add(g, "--wandb-exp-name", default=None, help="Weights & Biases run name")
