@@ -28,9 +28,9 @@ may already be in flight).  With ``dp = 1`` there are no collectives at all.
 Ordering assumption: every data-parallel rank runs the same program, so buckets become ready, and their collectives
 are issued, in the same order on every rank (as in Megatron's and torch's DDP).
 
-For a distributed optimizer (a later issue): ``reduce_op="reduce_scatter"`` reduces each bucket so that this rank
-holds the mean only in its own shard, ``bucket.shard(dp_rank)`` (a view into the buffer); ``buckets``,
-``param_range(param)`` and ``buffer`` describe the layout it needs to map shards back to parameters.
+For the distributed optimizer (``megatron.optimizer.distributed``): ``reduce_op="reduce_scatter"`` reduces each
+bucket so that this rank holds the mean only in its own shard, ``bucket.shard(dp_rank)`` (a view into the buffer);
+``buckets``, ``param_range(param)`` and ``buffer`` describe the layout it needs to map shards back to parameters.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ So this encoder
    pre-token: ~2.5 us each, 4x less than `encode_batch_fast` on single words) when `tokenizers` is installed, else
    with the reference's merge loop.
 
-Steps 1 and 3 produce exactly what the reference produces (tests/test_data_bpe_fast.py compares the splits on random
+Steps 1 and 3 produce exactly what the reference produces (tests/test_data_fast_paths.py compares the splits on random
 Unicode and the ids on a varied corpus), so only speed differs.
 """
 
