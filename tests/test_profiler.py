@@ -300,7 +300,9 @@ def test_bench_ratio_over_launches_carries_their_spread() -> None:
     import numpy as np
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(root, "tools", "bench_pipeline.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_pipeline_analysis", os.path.join(root, "tools", "bench_pipeline_analysis.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rng = np.random.default_rng(1)
@@ -330,7 +332,9 @@ def test_bench_speedup_ceiling_from_profiles() -> None:
     from zb_pipeline.schedule.plan_file import plan_to_dict
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("bench_pipeline", os.path.join(root, "tools", "bench_pipeline.py"))
+    spec = importlib.util.spec_from_file_location(
+        "bench_pipeline_analysis", os.path.join(root, "tools", "bench_pipeline_analysis.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
 
