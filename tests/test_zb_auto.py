@@ -65,8 +65,10 @@ def test_handcrafted_orders_are_members_of_the_family() -> None:
         h1_pol, h2_pol = zb_auto_family.anchors(p, m)
         for pol, limit, ref in ((h1_pol, p, zb_h1_order(p, m)), (h2_pol, 2 * p - 1, zb_h2_order(p, m, costs))):
             st = zb_auto_passes.StageArrays.of(costs, zb_auto_bound.resolve_mem_limit(p, costs, limit))
-            plans, _, score, _ = zb_auto_passes.Engine(zb_auto_passes._backend(None), m, st).run(pol, want_plan=True)
-            raw = zb_auto_passes._to_schedule(ref.name, p, m, plans)
+            plans, _, score, _ = zb_auto_passes.Engine(zb_auto_passes.resolve_backend(None), m, st).run(
+                pol, want_plan=True
+            )
+            raw = zb_auto_passes.codes_to_schedule(ref.name, p, m, plans)
             # zb-h2 adds the tail rule on top (tail_order); ZB-H1's order has nothing for it to move.
             assert first_stage_tail_w_first(raw, costs).ranks == ref.ranks, (p, m, pol.label)
             assert score == pytest.approx(simulate(raw, costs).makespan, rel=1e-12)
@@ -233,12 +235,12 @@ def test_polish_keeps_plans_valid_and_never_worse() -> None:
         costs = StageCosts.uniform(p, f=1.0, b=rng.choice([1.0, 2.0]), w=rng.choice([1.0, 2.0]), comm=0.3)
         limit = rng.choice([p, p + 1])
         st = zb_auto_passes.StageArrays.of(costs, zb_auto_bound.resolve_mem_limit(p, costs, limit))
-        eng = zb_auto_passes.Engine(zb_auto_passes._backend(None), m, st)
+        eng = zb_auto_passes.Engine(zb_auto_passes.resolve_backend(None), m, st)
         plans = _random_valid_plan(rng, p, m, st)
         before = eng.evaluate(plans)
         plans, after, _ = zb_auto_polish.polish(eng, plans, before, 1e6)
         assert after <= before + 1e-9 and eng.evaluate(plans) == pytest.approx(after)
-        check_and_lower(zb_auto_passes._to_schedule("polished", p, m, plans), costs=costs, mem_limit=limit)
+        check_and_lower(zb_auto_passes.codes_to_schedule("polished", p, m, plans), costs=costs, mem_limit=limit)
 
 
 # Measured on the grid of test_within_stated_gap_of_the_exact_optimum_full (p <= 3, m <= 5, limits p and p + 1,

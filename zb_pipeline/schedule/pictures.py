@@ -28,7 +28,7 @@ _ANSI_BG: dict[Kind, tuple[str, str]] = {
 _KIND_LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
 
 
-def _chunk_index(schedule: Schedule) -> dict[int, int]:
+def chunk_index(schedule: Schedule) -> dict[int, int]:
     """Virtual stage -> which of its rank's chunks it is (0 = the rank's first stage)."""
     out = {}
     for r in range(schedule.num_ranks):
@@ -37,7 +37,7 @@ def _chunk_index(schedule: Schedule) -> dict[int, int]:
     return out
 
 
-def _shade(hex_color: str, amount: float) -> tuple[float, float, float]:
+def shade(hex_color: str, amount: float) -> tuple[float, float, float]:
     """Mix ``hex_color`` with white by ``amount`` (0 = unchanged)."""
     rgb = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     return tuple(c + (1 - c) * amount for c in rgb)  # type: ignore[return-value]
@@ -69,7 +69,7 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
     ax = fig.add_axes((left, bottom_in / height, axes_w, row_in * p / height))
     px_per_unit = width * axes_w * fig.dpi / t_end
     label_size = 8 if p <= 16 else 6
-    chunk_of = _chunk_index(sched)
+    chunk_of = chunk_index(sched)
     chunks = sched.chunks
 
     for r, tl in enumerate(result.timeline):
@@ -78,7 +78,7 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
         for ta in tl:
             a = ta.action
             ci = chunk_of[a.stage]
-            color = _shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
+            color = shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
             ax.broken_barh(
                 [(ta.start, ta.duration)],
                 (y - 0.4, 0.8),
@@ -115,7 +115,7 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
     ]
     handles = [Patch(facecolor=KIND_COLORS[k], label={Kind.BW: "BW (full backward)"}.get(k, k.value)) for k in kinds]
     if chunks > 1:
-        handles += [Patch(facecolor=_shade("#777777", 0.5), label="later chunk (lighter)")]
+        handles += [Patch(facecolor=shade("#777777", 0.5), label="later chunk (lighter)")]
     handles.append(Patch(facecolor=IDLE_COLOR, label="idle (bubble)"))
     fig.legend(
         handles=handles,
@@ -142,7 +142,7 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
     all_actions = [ta for tl in result.timeline for ta in tl]
     if not all_actions or t_end <= 0:
         return timeline_title(result)
-    chunk_of = _chunk_index(sched)
+    chunk_of = chunk_index(sched)
     shortest = min(ta.duration for ta in all_actions)
     label_w = len(str(sched.num_microbatches - 1)) + (0 if color else 1)
     scale = (label_w + 1) / shortest

@@ -150,7 +150,7 @@ def plot_trace_vs_plan(
     """Draw one iteration of the trace above the plan simulated with the measured costs; save PNG/SVG."""
     from matplotlib.figure import Figure
 
-    from zb_pipeline.schedule.pictures import KIND_COLORS, _chunk_index, _shade
+    from zb_pipeline.schedule.pictures import KIND_COLORS, chunk_index, shade
 
     schedule = schedule or plan_of(doc)
     if schedule is None:
@@ -164,11 +164,11 @@ def plot_trace_vs_plan(
     row_in = 0.36
     height = 0.8 + 2 * (row_in * p + 0.55)
     fig = Figure(figsize=(width, height), dpi=110)
-    chunk_of, chunks = _chunk_index(schedule), schedule.chunks
+    chunk_of, chunks = chunk_index(schedule), schedule.chunks
 
     def color(a: Action) -> tuple[float, float, float]:
         ci = chunk_of[a.stage]
-        return _shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
+        return shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
 
     px_per_ms = width * 0.9 * fig.dpi / t_end
     panel_h = (row_in * p) / height

@@ -41,8 +41,8 @@ from zb_pipeline.schedule.generators.zb_auto_passes import (
     Engine,
     Policy,
     StageArrays,
-    _backend,
-    _to_schedule,
+    codes_to_schedule,
+    resolve_backend,
     tol,
 )
 from zb_pipeline.schedule.generators.zb_auto_polish import POLISH_MAX_ACTIONS, improve_knobs, polish
@@ -90,7 +90,7 @@ def search(
     if costs.num_stages != p:
         raise ValueError(f"zb-auto plans one chunk per rank: costs have {costs.num_stages} stages, expected p={p}")
     t_wall, t_cpu = time.perf_counter(), time.process_time()
-    be = _backend(backend)
+    be = resolve_backend(backend)
     st = StageArrays.of(costs, resolve_mem_limit(p, costs, mem_limit))
     eng = Engine(be, m, st)
     floor = lower_bound(m, st)
@@ -110,7 +110,7 @@ def search(
         if v_span < span - tol(span):
             span, pol, plans = v_span, replace(v_pol, label=v_pol.label + " (median view)"), v_plans
     seconds, cpu = time.perf_counter() - t_wall, time.process_time() - t_cpu
-    return SearchResult(_to_schedule("zb-auto", p, m, plans), span, pol, passes, be, seconds, cpu, work, floor)
+    return SearchResult(codes_to_schedule("zb-auto", p, m, plans), span, pol, passes, be, seconds, cpu, work, floor)
 
 
 def _search_view(

@@ -24,7 +24,7 @@ Plans are flat per-rank lists of action codes ``kind * m + microbatch`` (kind 0,
 
 Speed: the passes and the scoring run in C++ (``zb_pipeline.schedule._zb_auto_cpp.Searcher``, built from
 ``csrc/zb_auto_search.cpp``) when the extension is built, else in the Python reference below; both give identical
-plans, spans, scores and work counts (tested).  ``_to_schedule`` reuses interned ``Action`` objects.
+plans, spans, scores and work counts (tested).  ``codes_to_schedule`` reuses interned ``Action`` objects.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ def spans_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> list[fl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _backend(name: str | None) -> str:
+def resolve_backend(name: str | None) -> str:
     if name is None:
         return "cpp" if _cpp is not None else "python"
     if name == "cpp" and _cpp is None:
@@ -394,7 +394,7 @@ class Engine:
         return spans_py(self.m, self.st, plans)
 
 
-def _run(
+def run_policy(
     backend: str, m: int, st: StageArrays, pol: Policy, want_plan: bool = True, bound: float = INF
 ) -> tuple[list[list[int]] | None, float]:
     """One pass (plans, the pass's span); kept for the handcrafted generators that run a fixed policy."""
@@ -424,7 +424,7 @@ def _action_table(rank: int, m: int) -> list[Action]:
     return table
 
 
-def _to_schedule(name: str, p: int, m: int, plans: Sequence[Sequence[int]]) -> Schedule:
+def codes_to_schedule(name: str, p: int, m: int, plans: Sequence[Sequence[int]]) -> Schedule:
     ranks = []
     for r, codes in enumerate(plans):
         ranks.append(tuple(map(_action_table(r, m).__getitem__, codes)))

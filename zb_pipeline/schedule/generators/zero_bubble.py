@@ -40,7 +40,13 @@ from __future__ import annotations
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.tail_order import first_stage_tail_w_first
 from zb_pipeline.schedule.generators.zb_auto_bound import default_mem_limit
-from zb_pipeline.schedule.generators.zb_auto_passes import Policy, StageArrays, _backend, _run, _to_schedule
+from zb_pipeline.schedule.generators.zb_auto_passes import (
+    Policy,
+    StageArrays,
+    codes_to_schedule,
+    resolve_backend,
+    run_policy,
+)
 from zb_pipeline.schedule.ir import B, F, Schedule, W, loop_placement
 from zb_pipeline.schedule.memory import schedule_mem_floor
 from zb_pipeline.schedule.registry import register
@@ -76,8 +82,8 @@ def zb_h2_greedy_order(p: int, m: int, costs: StageCosts) -> Schedule:
     """ZB-H2's greedy order before the tail rule (the paper's placement: a W only where it fits)."""
     st = StageArrays.of(costs, default_mem_limit(p, costs))
     warm = tuple(max(1, min(m, 2 * (p - i) - 1)) for i in range(p))
-    plans, _ = _run(_backend(None), m, st, Policy(warm, (0,) * p, (m,) * p, 0.0, False, False, "zb-h2"))
-    return _to_schedule("zb-h2", p, m, plans)
+    plans, _ = run_policy(resolve_backend(None), m, st, Policy(warm, (0,) * p, (m,) * p, 0.0, False, False, "zb-h2"))
+    return codes_to_schedule("zb-h2", p, m, plans)
 
 
 def _check_limit(name: str, schedule: Schedule, costs: StageCosts, mem_limit: float | None) -> Schedule:
