@@ -31,6 +31,7 @@ from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.model.config import GPTConfig, padded_vocab_size
+from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 
 
@@ -53,6 +54,7 @@ class RunConfig:
     global_batch_size: int
     ignored_flags: tuple[str, ...] = ()
     pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)  # the pipeline schedule (used when pp > 1)
+    pipeline_layout: PipelineLayout | None = None  # pp > 1: the plan and each virtual stage's layers
 
     @property
     def padded_vocab_size(self) -> int:
@@ -229,14 +231,15 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     model = model_config_from_flags(v, parallel.tp_size)
     if parallel.sequence_parallel:
         model.check_sequence_parallel(parallel.tp_size)
-    parallel.layers_per_stage(model.num_layers)
     training = _training_config(v)
     num_microbatches = training.num_microbatches(dp)
     lr_schedule, optimizer, precision = _optimizer_configs(v)
     data, checkpoint, logging = _io_configs(v, model)
     pipeline = ScheduleConfig.from_flags(v)
-    if parallel.pp_size > 1:  # generate the plan once now: a shape it cannot serve exits 2 before any rank talks
-        pipeline.check_shape(
+    layout = None
+    if parallel.pp_size > 1:  # the plan and the layer split, once: a shape they cannot serve exits 2 before any talk
+        layout = pipeline_layout(
+            pipeline,
             pp=parallel.pp_size,
             num_microbatches=num_microbatches,
             num_layers=model.num_layers,
@@ -260,4 +263,5 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         global_batch_size=training.resolved_global_batch_size(dp),
         ignored_flags=ignored,
         pipeline=pipeline,
+        pipeline_layout=layout,
     )

@@ -41,7 +41,6 @@ from megatron.pipeline.trainer_hooks import (
     attach_replanner,
     context_layout,
     pipeline_summary,
-    replan_after_iteration,
     write_pipeline_trace,
 )
 from megatron.signal_handler import ExitSignalHandler
@@ -245,7 +244,6 @@ def _train_loop(
     start_iteration = tr.iteration
     while tr.iteration < t.train_iters:
         res = train_step(tr)
-        replan_after_iteration(tr.pipeline, tr.replanner, tr.iteration - 1)
         if collector is not None:
             collector.after_iteration(tr.iteration)
         window.add(res)

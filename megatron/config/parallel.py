@@ -55,16 +55,6 @@ class ParallelConfig:
             )
         return world_size // mp
 
-    def layers_per_stage(self, num_layers: int) -> tuple[int, ...]:
-        """Transformer layers on each pipeline stage, first to last (sums to ``num_layers``)."""
-        return split_layers(
-            num_layers,
-            self.pp_size,
-            first=self.decoder_first_pipeline_num_layers,
-            last=self.decoder_last_pipeline_num_layers,
-            allow_padding=self.allow_padding_num_layers,
-        )
-
 
 def split_layers(
     num_layers: int, stages: int, *, first: int | None = None, last: int | None = None, allow_padding: bool = False

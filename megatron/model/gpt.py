@@ -169,9 +169,14 @@ def build_gpt_stages(
     first: int | None = None,
     last: int | None = None,
     allow_padding: bool = False,
+    ranges: Sequence[range] | None = None,
 ) -> list[GPTStage]:
-    """Build the (virtual) stages ``stages`` (default: all) of a model split into ``num_stages``."""
-    ranges = stage_layer_ranges(config.num_layers, num_stages, first=first, last=last, allow_padding=allow_padding)
+    """Build the (virtual) stages ``stages`` (default: all) of a model split into ``num_stages``; ``ranges``: each
+    stage's layers when the split is known already (a pipeline layout), else from ``first``/``last``/padding."""
+    if ranges is None:
+        ranges = stage_layer_ranges(config.num_layers, num_stages, first=first, last=last, allow_padding=allow_padding)
+    if len(ranges) != num_stages:
+        raise ValueError(f"{len(ranges)} layer ranges given for {num_stages} stages")
     wanted = range(num_stages) if stages is None else stages
     return [
         GPTStage(

@@ -11,7 +11,7 @@ Build once per run, call once per iteration (``megatron.pipeline.trainer_hooks``
 ``GPTPipeline`` is the GPT side of ``zb_pipeline.runtime.PipelineRuntime``: it builds the stage modules, gives the
 runtime a loss over each microbatch's batch, and passes the batches to ``runtime.run`` as an argument.  Each
 microbatch's loss is the masked mean of the per-token loss, and ``loss / m`` is backpropagated -- exactly what the
-pp = 1 loop in ``training.py`` does, so an untied model gets bit-identical gradients.  ``forward_backward``
+pp = 1 loop in ``training_step.py`` does, so an untied model gets bit-identical gradients.  ``forward_backward``
 returns the float64 sum of the microbatch losses on *every* pipeline rank (one small all-reduce over the pipeline
 group), ready for the trainer's data-parallel mean.
 
@@ -34,6 +34,7 @@ from megatron.config.errors import ConfigError
 from megatron.model.config import GPTConfig
 from megatron.model.gpt import WORD_EMBEDDING, GPTStage, build_gpt_stages
 from megatron.parallel.context import ParallelContext
+from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
 from zb_pipeline.runtime.executor import PipelineExecutor
@@ -237,30 +238,30 @@ def build_gpt_pipeline(
     last_stage_layers: int | None = None,
     allow_padding: bool = False,
     dtype: torch.dtype = torch.float32,
-    costs: Any = None,
+    layout: PipelineLayout | None = None,
 ) -> GPTPipeline:
     """Build this rank's GPT stages and the runtime that runs the plan over them.
 
-    Bad shapes (m below what the schedule needs, layers that do not split, a plan file for another shape) raise
-    ``ConfigError`` with one line at start-up, before any communication.
+    ``layout`` is the run's plan and layer split (``RunConfig.pipeline_layout``); without it they are computed here
+    from the other arguments.  Bad shapes (m below what the schedule needs, layers that do not split, a plan file for
+    another shape) raise ``ConfigError`` with one line at start-up, before any communication.
     """
     pp, rank = ctx.pp_size, ctx.pp_rank
-    plans = schedule_config.plan_source(pp=pp, num_layers=model_config.num_layers, costs=costs)
-    schedule = schedule_config.build_schedule(
-        pp=pp, num_microbatches=num_microbatches, num_layers=model_config.num_layers, costs=costs
-    )
+    if layout is None:
+        layout = pipeline_layout(
+            schedule_config,
+            pp=pp,
+            num_microbatches=num_microbatches,
+            num_layers=model_config.num_layers,
+            first_stage_layers=first_stage_layers,
+            last_stage_layers=last_stage_layers,
+            allow_padding=allow_padding,
+        )
+    schedule = layout.schedule
     S = schedule.num_stages
     mine = schedule.stages_of(rank)
     modules = build_gpt_stages(
-        model_config,
-        S,
-        stages=mine,
-        tp=ctx,
-        sequence_parallel=sequence_parallel,
-        seed=seed,
-        first=first_stage_layers,
-        last=last_stage_layers,
-        allow_padding=allow_padding,
+        model_config, S, stages=mine, tp=ctx, sequence_parallel=sequence_parallel, seed=seed, ranges=layout.layer_ranges
     )
     stages = {s: mod.to(device=ctx.device, dtype=dtype) for s, mod in zip(mine, modules)}
     seq = model_config.seq_length // (ctx.tp_size if sequence_parallel else 1)
@@ -281,7 +282,7 @@ def build_gpt_pipeline(
         runtime = PipelineRuntime(
             stages,
             rank=rank,
-            plans=plans,
+            plans=layout.plans,
             num_microbatches=num_microbatches,
             comm=p2p,
             input_fn=_gpt_input,

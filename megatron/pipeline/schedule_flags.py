@@ -114,26 +114,6 @@ class ScheduleConfig:
         except (OSError, ValueError) as err:
             raise ConfigError(f"--schedule-file {self.schedule_file}: {str(err).splitlines()[0]}") from None
 
-    def check_shape(
-        self,
-        *,
-        pp: int,
-        num_microbatches: int,
-        num_layers: int,
-        first_stage_layers: int | None = None,
-        last_stage_layers: int | None = None,
-        allow_padding: bool = False,
-    ) -> Any:
-        """Build the plan once and split the layers over its virtual stages: ``ConfigError`` if the run's shape does
-        not fit (called while parsing the flags, so a bad shape exits 2 before any rank starts communicating)."""
-        from megatron.config.parallel import split_layers
-
-        plan = self.build_schedule(pp=pp, num_microbatches=num_microbatches, num_layers=num_layers)
-        split_layers(
-            num_layers, plan.num_stages, first=first_stage_layers, last=last_stage_layers, allow_padding=allow_padding
-        )
-        return plan
-
     # -- the plan ---------------------------------------------------------------------------------------------
     def plan_source(self, *, pp: int, num_layers: int, costs: Any = None) -> PlanSource:
         """Where the runtime takes its plans from: the registry's schedule for this run (any microbatch count), or
@@ -254,7 +234,7 @@ _OTHER_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 
 
 def schedule_flag_specs() -> list[tuple[str, dict[str, Any]]]:
-    """``schedule_flags()`` as keyword arguments of the trainer's flag table (``megatron.arguments._FlagTable.add``)."""
+    """``schedule_flags()`` as keyword arguments of the trainer's flag table (``megatron.flag_table.FlagTable.add``)."""
     out = []
     for flag, kwargs in schedule_flags():
         switch = kwargs.get("action") == "store_true"

@@ -30,28 +30,28 @@ The global grad norm counts the tied copy once, as Megatron does: the output hea
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
 from megatron.parallel.context import ParallelContext
+from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
+from zb_pipeline.runtime.replanner import WindowReplanner
 from zb_pipeline.schedule import registry
 
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
     from megatron.parallel.data_parallel import DataParallelReducer
-    from megatron.training import Trainer
+    from megatron.trainer_state import Trainer
 
 
 def context_layout(run: RunConfig) -> dict[str, Any]:
     """``chunks``/``placement`` keyword arguments of ``ParallelContext.initialize`` for this run's plan."""
-    if run.parallel.pp_size == 1:
-        return {}
-    pipe = run.pipeline
-    chunks = pipe.chunks(num_layers=run.model.num_layers, pp=run.parallel.pp_size)
-    return {"chunks": chunks, "placement": pipe.placement()}
+    return {} if run.pipeline_layout is None else run.pipeline_layout.context_layout()
 
 
 def build_trainer_pipeline(run: RunConfig, ctx: ParallelContext, model_config: GPTConfig) -> GPTPipeline:
@@ -68,6 +68,7 @@ def build_trainer_pipeline(run: RunConfig, ctx: ParallelContext, model_config: G
         last_stage_layers=run.parallel.decoder_last_pipeline_num_layers,
         allow_padding=run.parallel.allow_padding_num_layers,
         dtype=run.precision.params_dtype,
+        layout=run.pipeline_layout,
     )
 
 
@@ -87,20 +88,17 @@ def attach_reducer(pipe: GPTPipeline, reducer: DataParallelReducer) -> None:
 
 def _batches(tr: Trainer, dataset: Any, base: int) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's m microbatches starting at global sample ``base`` (only where a stage reads them)."""
-    from megatron.training import _load, microbatch_indices
-
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
     if not (pipe.holds_first_stage or pipe.holds_last_stage):
         return [{} for _ in range(run.num_microbatches)]
     return [
-        _load(dataset, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device) for k in range(run.num_microbatches)
+        load_microbatch(dataset, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device)
+        for k in range(run.num_microbatches)
     ]
 
 
 def pipeline_forward_backward(tr: Trainer) -> float:
     """One iteration through the plan; returns the global-batch mean loss (as the pp = 1 loop does)."""
-    from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
-    from megatron.training import _mean_over_dp
 
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
     batches = _batches(tr, tr.train_data, tr.iteration * run.global_batch_size)
@@ -114,14 +112,12 @@ def pipeline_forward_backward(tr: Trainer) -> float:
     tr.reducer.finish()
     if run.parallel.sequence_parallel:
         allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
-    return _mean_over_dp(total, run.num_microbatches, ctx)
+    return mean_over_dp(total, run.num_microbatches, ctx)
 
 
 @torch.no_grad()
 def pipeline_evaluate(tr: Trainer) -> float:
     """Mean validation loss over ``--eval-iters`` global batches, forward-only through the pipeline."""
-    from megatron.training import _mean_over_dp
-
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
     tr.model.eval()
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
@@ -129,7 +125,7 @@ def pipeline_evaluate(tr: Trainer) -> float:
         total += pipe.forward_only(_batches(tr, tr.valid_data, tr.consumed_valid_samples))
         tr.consumed_valid_samples += run.global_batch_size
     tr.model.train()
-    return _mean_over_dp(total, run.num_microbatches * run.training.eval_iters, ctx)
+    return mean_over_dp(total, run.num_microbatches * run.training.eval_iters, ctx)
 
 
 def write_pipeline_trace(tr: Trainer, log: Any = print) -> None:
@@ -180,10 +176,6 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         or cfg.timers_end_iter is None
     ):
         return None
-    import os
-
-    from zb_pipeline.runtime.replanner import WindowReplanner
-
     save = run.checkpoint.save
     auto = cfg.schedule == "zb-auto"
     replanner = WindowReplanner(
@@ -199,7 +191,3 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         log=log,
     )
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
-
-
-def replan_after_iteration(pipe: GPTPipeline | None, replanner: Any, iteration: int) -> None:
-    """Nothing left to do: the replanner runs inside the runtime (``attach_replanner``)."""
