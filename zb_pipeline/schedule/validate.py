@@ -43,7 +43,7 @@ from zb_pipeline.schedule.memory import first_over, peak_memory
 from zb_pipeline.schedule.schedule_error import MAX_STUCK_LISTED, ScheduleError, plan_error, render_grid
 
 # ScheduleError and render_grid are part of the validator's interface (their home is schedule_error).
-__all__ = ["ScheduleError", "check_and_lower", "render_grid", "validate", "validate_lowered", "validate_schedule"]
+__all__ = ["ScheduleError", "check_and_lower", "render_grid", "validate_lowered", "validate_schedule"]
 
 
 def check_and_lower(
@@ -62,10 +62,6 @@ def check_and_lower(
     if mem_limit is not None:
         _check_memory(schedule, _costs_or_default(schedule, costs), mem_limit)
     return lowered
-
-
-# The name the trainer and the runtime still import (megatron/pipeline, zb_pipeline/runtime); same function.
-validate = check_and_lower
 
 
 def validate_schedule(schedule: Schedule, *, costs: StageCosts | None = None, mem_limit: float | None = None) -> None:
