@@ -6,7 +6,6 @@ Pure functions over the ranks' results; nothing here launches processes.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -128,7 +127,7 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
             units = [sum(prof.mem_f[st] for st in sched.stages_of(r)) for r in range(sched.num_ranks)]
             counts = [pk / u for pk, u in zip(peaks, units) if u > 0]
             row.update(peak_microbatches=max(counts) if counts else None,
-                       stated_bound=stated_memory_bound(name, sched.num_ranks, m))  # fmt: skip
+                       stated_bound=registry.get(name).stated_memory_bound(sched.num_ranks, m))  # fmt: skip
         rows.append(row)
     one = next(r for r in rows if r["schedule"] == "1f1b")
     for r in rows:
@@ -176,16 +175,3 @@ def speedup_ceiling(launch_profile: Profile, rows: list[dict], plans: dict[str, 
     return out
 
 
-def stated_memory_bound(name: str, p: int, m: int) -> float | None:
-    """The peak activation memory a schedule states, in microbatches of a rank's own share (None: not stated)."""
-    bounds = {
-        "gpipe": m,
-        "1f1b": min(p, m),
-        "zb-h1": min(p, m),
-        "zb-h2": min(2 * p - 1, m),
-        "zb-auto": min(2 * p - 1, m),  # the default memory limit
-        "zb-v": min(p, m),
-        "v-half": (p + 1) / 2,
-        "v-min": (math.ceil(2 * p / 3) + 1) / 2,
-    }
-    return bounds.get(name)

@@ -31,7 +31,7 @@ from typing import Any
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Kind, Schedule, loop_placement, v_placement
+from zb_pipeline.schedule.ir import Kind, Schedule
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.pictures import ComparisonRow, ansi_timeline, plot_comparison, plot_timeline
 from zb_pipeline.schedule.plan_file import load_plan, save_plan
@@ -137,11 +137,6 @@ def _check_shape(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------------------------- the work
 
 
-def placement_for(name: str, p: int, chunks: int) -> tuple[int, ...]:
-    """The stage-to-rank map a registered schedule uses (V-shaped ones zig-zag)."""
-    return v_placement(p, chunks) if registry.get(name).placement == "v" else loop_placement(p, chunks)
-
-
 def _plan(name: str, args: argparse.Namespace) -> tuple[Schedule, StageCosts, LoweredSchedule]:
     """Generate, validate and lower schedule ``name`` for the shape and costs on the command line."""
     spec = registry.get(name)
@@ -149,7 +144,7 @@ def _plan(name: str, args: argparse.Namespace) -> tuple[Schedule, StageCosts, Lo
     chunks = spec.default_chunks if args.chunks is None else args.chunks
     if spec.chunks is not None and chunks not in spec.chunks:
         raise UsageError(f"schedule {name!r} supports --chunks in {list(spec.chunks)}, got {chunks}")
-    costs = _build_costs(args, p, chunks, placement_for(name, p, chunks))
+    costs = _build_costs(args, p, chunks, registry.placement_of(name, p, chunks))
     sched = registry.generate(name, p, m, chunks=chunks, costs=costs, mem_limit=args.mem_limit)
     lowered = check_and_lower(sched, costs=costs, mem_limit=args.mem_limit)
     return sched, costs, lowered

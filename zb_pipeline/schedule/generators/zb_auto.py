@@ -176,6 +176,7 @@ def _median(costs: StageCosts) -> StageCosts:
     "zb-auto",
     uses_costs=True,
     chunks=(1,),
+    memory_bound=lambda p, m: min(2 * p - 1, m),  # the default memory limit
     description="searched zero-bubble plan under a memory limit (default 2p-1 mb)",
 )
 def zb_auto(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
