@@ -35,7 +35,7 @@ the plan placed before any backward action).  There the executor completes every
 drops the iteration's state, restores the RNG state captured when the iteration started and runs the iteration again
 from its first action, without the post-validation ops.  Every rank must request it alike.
 
-At the end of ``run`` the executor runs its ``on_iteration_end`` checks and asserts that nothing is left: no saved
+At the end of ``run`` the executor runs its ``iteration_end`` hooks and asserts that nothing is left: no saved
 activation, no local hand-off, no deferred weight-gradient work, no outstanding send or unconsumed receive.  Nothing on
 the hot path grows with the model (a dict lookup and a few attribute accesses per action) and nothing synchronises
 that the plan does not ask for.
@@ -124,8 +124,6 @@ class PipelineExecutor:
         self._bind_stages(stages)
         self.handlers: dict[Kind, Handler] = dict(DEFAULT_HANDLERS)
         self.hooks = ExecutorHooks()
-        self.on_iteration_start = self.hooks.iteration_start  # the same lists, by their older names
-        self.on_iteration_end = self.hooks.iteration_end
         # Iteration state, keyed by stage * m + microbatch.
         self._saved: dict[int, tuple[torch.Tensor | None, Any]] = {}  # F -> B: (input leaf, output root)
         self._local_act: dict[int, torch.Tensor] = {}  # input of stage s handed over from s - 1 on this rank
@@ -209,12 +207,12 @@ class PipelineExecutor:
         rng = _capture_rng() if replay_at is not None else None
         self.replay_requested = False
         self._w_done = {}
-        for hook in self.on_iteration_start:
+        for hook in self.hooks.iteration_start:
             hook(self)
         try:
             if self._execute(steps, replay_at):
                 self._replay(rng)
-            for hook in self.on_iteration_end:
+            for hook in self.hooks.iteration_end:
                 hook(self)
             if p2p is not None:
                 p2p.finish()
