@@ -11,14 +11,8 @@ shortest makespan within the memory caps is kept (ties: the first).
 
 1. *List scheduler* (``v_shape_list``): simulates time; whenever a rank is free it runs one ready action by
    priority (B before F, F before B, chunk-1 F first, ... per variant; the deferred W only when nothing else may
-   run, so W fills what would otherwise be bubbles), subject to the per-rank cap:
-   - *Memory by reservation* ("staged", "full"): a microbatch enters only when every rank has room for it; these
-     can never get stuck while one microbatch fits on every rank (the fallback).
-   - *Optimistic* ("optimistic"): room is checked per action, the oldest microbatch's remaining growth kept free,
-     a hand-off sent only when its receiver has room, each peer's hand-offs consumed in its order; can get stuck
-     (then dropped).
-   - *Local* ("local"): room checked per action on the rank that runs it (oldest microbatch's growth kept free),
-     hand-offs taken in any order once arrived.  The globally oldest microbatch always fits, so it cannot stick.
+   run, so W fills what would otherwise be bubbles), subject to the per-rank cap; how room is checked is the
+   variant's *admission* (see ``v_shape_list``).
 2. *Repeated building block* (``v_shape_template``): the pattern of the papers -- one
    microbatch's F/B/W offsets, placed as early as dependencies allow such that copies repeated every ``period``
    never overlap on a rank (modulo scheduling); each rank runs the copies' actions in start-time order and the
