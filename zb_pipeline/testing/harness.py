@@ -97,63 +97,89 @@ def run_multiprocess(
     from torch.distributed import TCPStore  # the parent hosts the rendezvous store for the ranks
 
     fn_name = getattr(fn, "__qualname__", repr(fn))
-    try:
-        payload = pickle.dumps((fn, tuple(args)))
-    except Exception as exc:
-        raise ValueError(
-            f"run_multiprocess: {fn_name} and its args must pickle (use a top-level function): {exc}"
-        ) from exc
-
+    payload = _pickle_payload(fn, args, fn_name)
     # Joining the group may wait for the slowest rank's start-up; the parent's kill enforces timeout_s anyway.
     pg_timeout_s = max(timeout_s, startup_timeout_s)
     store = TCPStore(
         "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=pg_timeout_s)
     )
-    rank_env = dict(os.environ)  # forkserver children inherit the server's environment, not ours: pass ours on
-    rank_env.update(env or {})
-    rank_env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(store.port),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-    )
+    rank_env = _rank_environment(store.port, world_size, env)
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    rank_kwargs = dict(backend=backend, init_group=init_process_group, pg_timeout_s=pg_timeout_s)
     with tempfile.TemporaryDirectory(prefix="zb_mp_") as tmp:
         procs: list[mp.process.BaseProcess] = []
         readers: list[Connection] = []
         stack_files = [os.path.join(tmp, f"stacks_rank{r}.txt") for r in range(world_size)]
         try:
             for rank in range(world_size):
-                reader, writer = ctx.Pipe(duplex=False)
-                p = ctx.Process(
-                    target=_rank_main,
-                    args=(rank, world_size, payload, list(sys.path), rank_env, writer, stack_files[rank]),
-                    kwargs=dict(backend=backend, init_group=init_process_group, pg_timeout_s=pg_timeout_s),
-                    name=f"zb-rank{rank}",
-                    daemon=False,
-                )
-                p.start()
-                writer.close()  # the parent only reads; the child's copy is the live end
+                rank_args = (rank, world_size, payload, list(sys.path), rank_env)
+                p, reader = _start_rank(ctx, rank_args, stack_files[rank], rank_kwargs)
                 procs.append(p)
                 readers.append(reader)
             results, failures = _collect(procs, readers, stack_files, timeout_s, failure_grace_s, startup_timeout_s)
         finally:
-            for p in procs:  # never leave a rank behind, whatever happened above (KeyboardInterrupt included)
-                if p.is_alive():
-                    _kill_group(p)
-            for p in procs:
-                p.join(timeout=5)
-            for r in readers:
-                r.close()
+            _stop_ranks(procs, readers)  # never leave a rank behind, whatever happened above (KeyboardInterrupt too)
             del store
     if failures:
         raise MultiProcessError(fn_name, world_size, failures, results)
     return results
+
+
+def _pickle_payload(fn: Callable[..., Any], args: Sequence[Any], fn_name: str) -> bytes:
+    """``(fn, args)`` pickled for the ranks; a clear error when they do not pickle."""
+    try:
+        return pickle.dumps((fn, tuple(args)))
+    except Exception as exc:
+        raise ValueError(
+            f"run_multiprocess: {fn_name} and its args must pickle (use a top-level function): {exc}"
+        ) from exc
+
+
+def _rank_environment(store_port: int, world_size: int, env: Mapping[str, str] | None) -> dict[str, str]:
+    """The environment every rank runs with: ours, plus ``env``, plus the rendezvous and one-thread settings."""
+    rank_env = dict(os.environ)  # forkserver children inherit the server's environment, not ours: pass ours on
+    rank_env.update(env or {})
+    rank_env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(store_port),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+    )
+    return rank_env
+
+
+def _start_rank(
+    ctx: Any, rank_args: tuple[Any, ...], stack_file: str, rank_kwargs: dict[str, Any]
+) -> tuple[mp.process.BaseProcess, Connection]:
+    """Start one rank's process running ``_rank_main``; returns it and the parent's (read) end of its pipe."""
+    rank = rank_args[0]
+    reader, writer = ctx.Pipe(duplex=False)
+    p = ctx.Process(
+        target=_rank_main,
+        args=(*rank_args, writer, stack_file),
+        kwargs=rank_kwargs,
+        name=f"zb-rank{rank}",
+        daemon=False,
+    )
+    p.start()
+    writer.close()  # the parent only reads; the child's copy is the live end
+    return p, reader
+
+
+def _stop_ranks(procs: list[mp.process.BaseProcess], readers: list[Connection]) -> None:
+    """Kill every rank still alive, reap them all and close the pipes."""
+    for p in procs:
+        if p.is_alive():
+            _kill_group(p)
+    for p in procs:
+        p.join(timeout=5)
+    for r in readers:
+        r.close()
 
 
 def _collect(
@@ -169,79 +195,112 @@ def _collect(
     Each rank sends ``("ready",)`` once set up, then ``("ok", result)`` or ``("err", traceback)``.  The deadline is
     ``startup_timeout_s`` from now until every rank is ready, then ``timeout_s`` from that moment.
     """
-    world_size = len(procs)
-    results: list[Any] = [None] * world_size
-    reported = [False] * world_size
-    ready = [False] * world_size
-    failures: dict[int, str] = {}
-    deadline = time.monotonic() + startup_timeout_s
-    timed_out_reason: str | None = f"did not start within {startup_timeout_s:g} s and was killed"
+    collector = _ReportCollector(procs, readers, timeout_s, failure_grace_s, startup_timeout_s)
+    collector.wait_for_reports()
+    collector.kill_stuck_ranks(stack_files)
+    for p in procs:  # successful ranks stuck in teardown: kill quietly
+        if p.is_alive():
+            _kill_group(p)
+    return collector.results, collector.failures
 
-    def take_report(r: int) -> bool:
+
+class _ReportCollector:
+    """The parent's view of the ranks while ``_collect`` waits: reports, failures and the moving deadline."""
+
+    def __init__(
+        self,
+        procs: list[mp.process.BaseProcess],
+        readers: list[Connection],
+        timeout_s: float,
+        failure_grace_s: float,
+        startup_timeout_s: float,
+    ) -> None:
+        world_size = len(procs)
+        self.procs, self.readers = procs, readers
+        self.timeout_s, self.failure_grace_s = timeout_s, failure_grace_s
+        self.results: list[Any] = [None] * world_size
+        self.reported = [False] * world_size
+        self.ready = [False] * world_size
+        self.failures: dict[int, str] = {}
+        self.deadline = time.monotonic() + startup_timeout_s
+        self.timed_out_reason: str | None = f"did not start within {startup_timeout_s:g} s and was killed"
+
+    def take_report(self, r: int) -> bool:
         """Read rank ``r``'s pending messages; True once its report (or its death without one) is recorded."""
-        nonlocal deadline, timed_out_reason
-        msg = _try_recv(readers[r])
+        msg = _try_recv(self.readers[r])
         if msg is not None and msg[0] == "ready":
-            ready[r] = True
-            if all(ready) and not failures:
-                deadline = time.monotonic() + timeout_s
-                timed_out_reason = None
-            msg = _try_recv(readers[r])
-        if msg is None and procs[r].is_alive():
+            self.ready[r] = True
+            if all(self.ready) and not self.failures:
+                self.deadline = time.monotonic() + self.timeout_s
+                self.timed_out_reason = None
+            msg = _try_recv(self.readers[r])
+        if msg is None and self.procs[r].is_alive():
             return False  # only the ready note, or woke on a sentinel race: the report is still coming
-        reported[r] = True
+        self.reported[r] = True
         if msg is None:
-            procs[r].join(timeout=1)
-            failures[r] = f"process exited with code {procs[r].exitcode} before reporting a result"
+            self.procs[r].join(timeout=1)
+            self.failures[r] = f"process exited with code {self.procs[r].exitcode} before reporting a result"
         elif msg[0] == "ok":
-            results[r] = msg[1]
+            self.results[r] = msg[1]
         else:
-            failures[r] = msg[1]
+            self.failures[r] = msg[1]
         return True
 
-    while True:
-        alive = [r for r in range(world_size) if procs[r].is_alive()]
-        if not alive:
-            # Every rank has exited: what they sent is still in the pipes (a busy parent may not have read it yet).
-            for r in range(world_size):
-                if not reported[r]:
-                    take_report(r)
-            break
-        now = time.monotonic()
-        if now >= deadline:
-            break
-        waitables: list[Any] = [readers[r] for r in range(world_size) if not reported[r]]
-        waitables += [procs[r].sentinel for r in alive]
-        woke = set(wait(waitables, timeout=deadline - now))
-        for r in range(world_size):
-            if not reported[r] and (readers[r] in woke or procs[r].sentinel in woke):
-                take_report(r)
-        if failures:
-            first = next(iter(failures))
-            new_deadline = time.monotonic() + failure_grace_s
-            if new_deadline < deadline:
-                deadline = new_deadline
-                timed_out_reason = (
-                    f"killed {failure_grace_s:g} s after rank {first} failed (probably waiting on it in a collective)"
-                )
-        elif all(reported):
-            # Every rank succeeded; give them a moment for the closing barrier and teardown, then move on.
-            deadline = min(deadline, time.monotonic() + max(failure_grace_s, 10.0))
+    def wait_for_reports(self) -> None:
+        """Read reports until every rank has exited or the deadline passes."""
+        world_size = len(self.procs)
+        while True:
+            alive = [r for r in range(world_size) if self.procs[r].is_alive()]
+            if not alive:
+                # Every rank has exited: what they sent is still in the pipes (a busy parent may not have read it).
+                for r in range(world_size):
+                    if not self.reported[r]:
+                        self.take_report(r)
+                return
+            now = time.monotonic()
+            if now >= self.deadline:
+                return
+            self._read_what_woke(alive, now)
+            self._tighten_deadline()
 
-    stuck = [r for r in range(world_size) if procs[r].is_alive() and not reported[r]]
-    if stuck:
-        reason = timed_out_reason or f"timed out after {timeout_s:g} s and was killed"
+    def _read_what_woke(self, alive: list[int], now: float) -> None:
+        """Wait (until the deadline) for a pipe or a process sentinel, then take the reports of the ranks it woke."""
+        pending = [r for r in range(len(self.procs)) if not self.reported[r]]
+        waitables: list[Any] = [self.readers[r] for r in pending]
+        waitables += [self.procs[r].sentinel for r in alive]
+        woke = set(wait(waitables, timeout=self.deadline - now))
+        for r in pending:
+            if self.readers[r] in woke or self.procs[r].sentinel in woke:
+                self.take_report(r)
+
+    def _tighten_deadline(self) -> None:
+        """After a failure, the others get ``failure_grace_s``; after every success, a moment for teardown."""
+        if self.failures:
+            first = next(iter(self.failures))
+            new_deadline = time.monotonic() + self.failure_grace_s
+            if new_deadline < self.deadline:
+                self.deadline = new_deadline
+                self.timed_out_reason = (
+                    f"killed {self.failure_grace_s:g} s after rank {first} failed "
+                    "(probably waiting on it in a collective)"
+                )
+        elif all(self.reported):
+            # Every rank succeeded; give them a moment for the closing barrier and teardown, then move on.
+            self.deadline = min(self.deadline, time.monotonic() + max(self.failure_grace_s, 10.0))
+
+    def kill_stuck_ranks(self, stack_files: list[str]) -> None:
+        """Kill every rank alive without a report, recording its Python stacks (asked for first) as its failure."""
+        stuck = [r for r, p in enumerate(self.procs) if p.is_alive() and not self.reported[r]]
+        if not stuck:
+            return
+        reason = self.timed_out_reason or f"timed out after {self.timeout_s:g} s and was killed"
         for r in stuck:  # ask for stacks first, then kill
-            _signal_group(procs[r], signal.SIGUSR1)
+            _signal_group(self.procs[r], signal.SIGUSR1)
         time.sleep(_STACK_DUMP_WAIT_S)
         for r in stuck:
-            _kill_group(procs[r])
+            _kill_group(self.procs[r])
             stacks = _read_text(stack_files[r])
-            failures[r] = f"{reason}; its Python stacks when killed:\n{stacks or '(no stack dump)'}"
-    for r in range(world_size):  # successful ranks stuck in teardown: kill quietly
-        if procs[r].is_alive():
-            _kill_group(procs[r])
-    return results, failures
+            self.failures[r] = f"{reason}; its Python stacks when killed:\n{stacks or '(no stack dump)'}"
 
 
 def _try_recv(conn: Connection) -> tuple[str, Any] | None:
