@@ -140,6 +140,86 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
+class _Tally:
+    """What the tokenized chunks add up to: written to the per-key writers, counted, shown on a progress bar."""
+
+    def __init__(self, writers: dict[str, IndexedDatasetWriter], total_bytes: int, *, progress: bool) -> None:
+        self.writers = writers
+        self.docs: collections.Counter = collections.Counter()
+        self.tokens: collections.Counter = collections.Counter()
+        self.skips: collections.Counter = collections.Counter()
+        self.backends: set[str] = set()
+        self.done_bytes = 0
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_bytes, unit="B", unit_scale=True, desc="preprocess", mininterval=1.0, file=sys.stderr
+            )
+
+    def consume(self, result: tuple[dict, collections.Counter, int, str | None]) -> None:
+        """Add one ``process_chunk`` result: its documents to the writers, its counts to the totals."""
+        per_key, chunk_skips, nbytes, backend = result
+        for k, (flat, lengths) in per_key.items():
+            if lengths.size:
+                self.writers[k].add_sequences(flat, lengths)
+                self.docs[k] += int(lengths.size)
+                self.tokens[k] += int(flat.size)
+        self.skips.update(chunk_skips)
+        if backend is not None:
+            self.backends.add(backend)
+        self.done_bytes += nbytes
+        if self.bar is not None:
+            self.bar.update(nbytes)
+            elapsed = max(time.perf_counter() - self.t0, 1e-9)
+            self.bar.set_postfix_str(f"{sum(self.docs.values()) / elapsed:,.0f} docs/s", refresh=False)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _tokenize_inline(
+    chunks: Iterator[tuple[list[bytes], bool]],
+    tally: _Tally,
+    tokenizer,
+    config: TokenizerConfig,
+    keys: list[str],
+    append_eod: bool,
+) -> None:
+    """``--workers 1``: tokenize every chunk in this process."""
+    _set_worker_tokenizer(tokenizer, config)
+    _init_worker(config, keys, append_eod)
+    for chunk, is_json in chunks:
+        tally.consume(process_chunk(chunk, is_json))
+
+
+def _tokenize_in_pool(
+    chunks: Iterator[tuple[list[bytes], bool]],
+    tally: _Tally,
+    tokenizer,
+    config: TokenizerConfig,
+    keys: list[str],
+    append_eod: bool,
+    workers: int,
+) -> None:
+    """Tokenize the chunks on ``workers`` processes, at most ``2 * workers`` chunks in flight, results in order."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    _set_worker_tokenizer(tokenizer, config)  # forked workers inherit it (no rebuild: vocab, regex tables)
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    ctx = multiprocessing.get_context(method)
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(config, keys, append_eod)) as pool:
+        pending: collections.deque = collections.deque()
+        for chunk, is_json in chunks:
+            pending.append(pool.apply_async(process_chunk, (chunk, is_json)))
+            while len(pending) >= 2 * workers:  # bounded in-flight work keeps memory flat
+                tally.consume(pending.popleft().get())
+        while pending:
+            tally.consume(pending.popleft().get())
+
+
 def preprocess(args: argparse.Namespace) -> dict:
     """Run the preprocessing; returns the summary (raises ValueError on bad input)."""
     config = TokenizerConfig(
@@ -155,79 +235,37 @@ def preprocess(args: argparse.Namespace) -> dict:
     dtype = token_dtype_for(tokenizer.vocab_size)
     total_bytes = sum(os.path.getsize(p) for p in files)
     writers = {k: IndexedDatasetWriter(output_prefix_for(args.output_prefix, k), dtype) for k in keys}
-    docs = collections.Counter()
-    tokens = collections.Counter()
-    skips: collections.Counter = collections.Counter()
-    backends: set[str] = set()
-    done_bytes = 0
-    t0 = time.perf_counter()
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", mininterval=1.0, file=sys.stderr)
-
-    def consume(result) -> None:
-        nonlocal done_bytes
-        per_key, chunk_skips, nbytes, backend = result
-        for k, (flat, lengths) in per_key.items():
-            if lengths.size:
-                writers[k].add_sequences(flat, lengths)
-                docs[k] += int(lengths.size)
-                tokens[k] += int(flat.size)
-        skips.update(chunk_skips)
-        if backend is not None:
-            backends.add(backend)
-        done_bytes += nbytes
-        if bar is not None:
-            bar.update(nbytes)
-            elapsed = max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{sum(docs.values()) / elapsed:,.0f} docs/s", refresh=False)
-
+    tally = _Tally(writers, total_bytes, progress=not args.no_progress)
     chunks = iter_chunks(files, args.chunk_bytes, args.input_format)
     try:
         if args.workers <= 1:
-            _set_worker_tokenizer(tokenizer, config)
-            _init_worker(config, keys, args.append_eod)
-            for chunk, is_json in chunks:
-                consume(process_chunk(chunk, is_json))
+            _tokenize_inline(chunks, tally, tokenizer, config, keys, args.append_eod)
         else:
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
-            _set_worker_tokenizer(tokenizer, config)  # forked workers inherit it (no rebuild: vocab, regex tables)
-            method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-            ctx = multiprocessing.get_context(method)
-            with ctx.Pool(args.workers, initializer=_init_worker, initargs=(config, keys, args.append_eod)) as pool:
-                pending: collections.deque = collections.deque()
-                for chunk, is_json in chunks:
-                    pending.append(pool.apply_async(process_chunk, (chunk, is_json)))
-                    while len(pending) >= 2 * args.workers:  # bounded in-flight work keeps memory flat
-                        consume(pending.popleft().get())
-                while pending:
-                    consume(pending.popleft().get())
+            _tokenize_in_pool(chunks, tally, tokenizer, config, keys, args.append_eod, args.workers)
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
     finally:
         _set_worker_tokenizer(None, None)
-        if bar is not None:
-            bar.close()
-    elapsed = time.perf_counter() - t0
-    if sum(docs.values()) == 0:
+        tally.close_bar()
+    elapsed = time.perf_counter() - tally.t0
+    if sum(tally.docs.values()) == 0:
         for w in writers.values():
             w.abort()
-        reasons = ", ".join(f"{n} {r}" for r, n in skips.most_common()) or "the input is empty"
+        reasons = ", ".join(f"{n} {r}" for r, n in tally.skips.most_common()) or "the input is empty"
         raise ValueError(f"no documents found in --input {' '.join(args.input)} ({reasons}); nothing written")
     for w in writers.values():
         w.finalize()
+    backends = tally.backends
     return {
         "files": len(files),
-        "input_bytes": done_bytes,
+        "input_bytes": tally.done_bytes,
         "seconds": elapsed,
-        "mb_per_s": done_bytes / 1e6 / max(elapsed, 1e-9),
-        "documents": dict(docs),
-        "tokens": dict(tokens),
-        "skipped": dict(skips),
+        "mb_per_s": tally.done_bytes / 1e6 / max(elapsed, 1e-9),
+        "documents": dict(tally.docs),
+        "tokens": dict(tally.tokens),
+        "skipped": dict(tally.skips),
         "outputs": {k: output_prefix_for(args.output_prefix, k) for k in keys},
         "tokenizer": tokenizer.describe() if not backends else f"{tokenizer.name} ({'/'.join(sorted(backends))})",
         "dtype": str(dtype),

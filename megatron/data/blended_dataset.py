@@ -150,15 +150,15 @@ def build_gpt_datasets(
     out: list[GPTDataset | BlendedDataset | None] = []
     for s, name in enumerate(SPLIT_NAMES):
         n = int(num_samples[s])
+        split_ranges = [r[s] for r in ranges]
         if n == 0:
             out.append(None)
-            continue
-        if len(indexed) == 1:
+        elif len(indexed) == 1:
             out.append(
                 GPTDataset(
                     indexed[0],
                     split_name=name,
-                    document_range=ranges[0][s],
+                    document_range=split_ranges[0],
                     seq_length=seq_length,
                     seed=seed,
                     num_samples=n,
@@ -166,56 +166,109 @@ def build_gpt_datasets(
                     use_cpp=use_cpp,
                 )
             )
-            continue
-        weights = [w for w, _ in blend]
-        if weights[0] is None:  # proportional to the tokens of each dataset's split
-            weights = []
-            for ds, rng in zip(indexed, ranges):
-                b, e = rng[s]
-                first, last = int(ds.document_indices[b]), int(ds.document_indices[e])
-                weights.append(float(ds.sequence_lengths[first:last].sum(dtype=np.int64)))
-            if sum(weights) == 0:
-                raise ValueError(f"the {name} split of every dataset in --data-path is empty; adjust --split")
-        weights_n = [w / sum(weights) for w in weights]
-        cache = IndexCache(cache_dir or default_cache_dir(indexed[0].prefix))
-        desc = {"kind": "blend", "weights": weights_n, "size": n}
-        arrays, _ = cache.load_or_build(
-            f"blend-{name}",
-            desc,
-            ("dataset_index", "dataset_sample_index"),
-            lambda w=weights_n, n=n: dict(
-                zip(("dataset_index", "dataset_sample_index"), helpers.build_blending_indices(w, n, use_cpp=use_cpp))
-            ),
-        )
-        counts = np.bincount(np.asarray(arrays["dataset_index"]), minlength=len(indexed))
-        parts = []
-        for d, ds in enumerate(indexed):
-            if counts[d] == 0:  # weight too small to draw from in this many samples: never read
-                parts.append(_EmptySplit(ds, name, seq_length))
-                continue
-            parts.append(
-                GPTDataset(
-                    ds,
+        else:
+            weights = _blend_weights([w for w, _ in blend], indexed, split_ranges, name)
+            out.append(
+                _build_blended_split(
+                    indexed,
+                    split_ranges,
+                    weights,
                     split_name=name,
-                    document_range=ranges[d][s],
+                    num_samples=n,
                     seq_length=seq_length,
                     seed=seed,
-                    num_samples=int(counts[d]),
                     cache_dir=cache_dir,
                     use_cpp=use_cpp,
                 )
             )
-        out.append(
-            BlendedDataset(
-                parts,
-                weights_n,
-                n,
-                dataset_index=arrays["dataset_index"],
-                dataset_sample_index=arrays["dataset_sample_index"],
-            )
-        )
     log.info("datasets for %s: %s", " ".join(p for _, p in blend), out)
     return tuple(out)
+
+
+def _blend_weights(
+    given: Sequence[float | None],
+    indexed: Sequence[IndexedDataset],
+    split_ranges: Sequence[tuple[int, int]],
+    split_name: str,
+) -> list[float]:
+    """The blend's normalised weights for one split: `given`, or (without weights in --data-path) each dataset's
+    token count in its document range of that split."""
+    weights = list(given)
+    if weights[0] is None:  # proportional to the tokens of each dataset's split
+        weights = []
+        for ds, (b, e) in zip(indexed, split_ranges):
+            first, last = int(ds.document_indices[b]), int(ds.document_indices[e])
+            weights.append(float(ds.sequence_lengths[first:last].sum(dtype=np.int64)))
+        if sum(weights) == 0:
+            raise ValueError(f"the {split_name} split of every dataset in --data-path is empty; adjust --split")
+    return [w / sum(weights) for w in weights]
+
+
+def _blending_indices(
+    indexed: Sequence[IndexedDataset],
+    weights: list[float],
+    size: int,
+    split_name: str,
+    *,
+    cache_dir: str | None,
+    use_cpp: bool | None,
+) -> dict[str, np.ndarray]:
+    """`dataset_index` and `dataset_sample_index` of a blend of `size` samples, from the cache or built."""
+    cache = IndexCache(cache_dir or default_cache_dir(indexed[0].prefix))
+    desc = {"kind": "blend", "weights": weights, "size": size}
+    arrays, _ = cache.load_or_build(
+        f"blend-{split_name}",
+        desc,
+        ("dataset_index", "dataset_sample_index"),
+        lambda: dict(
+            zip(
+                ("dataset_index", "dataset_sample_index"),
+                helpers.build_blending_indices(weights, size, use_cpp=use_cpp),
+            )
+        ),
+    )
+    return arrays
+
+
+def _build_blended_split(
+    indexed: Sequence[IndexedDataset],
+    split_ranges: Sequence[tuple[int, int]],
+    weights: list[float],
+    *,
+    split_name: str,
+    num_samples: int,
+    seq_length: int,
+    seed: int,
+    cache_dir: str | None,
+    use_cpp: bool | None,
+) -> BlendedDataset:
+    """One split's blend: each member a GPTDataset of exactly the samples the blend draws from it."""
+    arrays = _blending_indices(indexed, weights, num_samples, split_name, cache_dir=cache_dir, use_cpp=use_cpp)
+    counts = np.bincount(np.asarray(arrays["dataset_index"]), minlength=len(indexed))
+    parts = []
+    for d, ds in enumerate(indexed):
+        if counts[d] == 0:  # weight too small to draw from in this many samples: never read
+            parts.append(_EmptySplit(ds, split_name, seq_length))
+            continue
+        parts.append(
+            GPTDataset(
+                ds,
+                split_name=split_name,
+                document_range=split_ranges[d],
+                seq_length=seq_length,
+                seed=seed,
+                num_samples=int(counts[d]),
+                cache_dir=cache_dir,
+                use_cpp=use_cpp,
+            )
+        )
+    return BlendedDataset(
+        parts,
+        weights,
+        num_samples,
+        dataset_index=arrays["dataset_index"],
+        dataset_sample_index=arrays["dataset_sample_index"],
+    )
 
 
 class _EmptySplit:
