@@ -113,47 +113,17 @@ class ParallelContext:
         """
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"{timeout=} must be a positive datetime.timedelta")
-        if dist.is_available() and dist.is_initialized():
-            world_size, rank = dist.get_world_size(), dist.get_rank()
-        elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-            world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
-        else:
-            if tp == 1 and pp == 1:
-                return cls.single(timeout=timeout)
-            for name, value in (("tp", tp), ("pp", pp)):
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{name}={value!r} must be an integer >= 1")
-            raise ValueError(
-                f"tp x pp = {tp} x {pp} needs a multiple of {tp * pp} processes but this is a single process "
-                f"(WORLD_SIZE unset); launch with torchrun --nproc-per-node {tp * pp} (see examples/)"
-            )
+        world = _launched_world(tp, pp)
+        if world is None:
+            return cls.single(timeout=timeout)
+        world_size, rank = world
         layout = RankLayout.build(world_size, tp=tp, pp=pp)
         layout.embedding_groups(chunks=chunks, placement=placement)  # validates chunks/placement before rendezvous
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-
-        owns = not dist.is_initialized()
-        if owns:
-            backend = backend or default_backend()
-            if "nccl" in backend:
-                torch.cuda.set_device(local_rank)  # before the group, so NCCL binds this rank's GPU
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-        backend = str(dist.get_backend())  # subgroups inherit the default group's backend
-        if "nccl" in backend:
-            torch.cuda.set_device(local_rank)
-            device = torch.device("cuda", local_rank)
-        else:
-            device = torch.device("cpu")
+        owns, backend, device = _join_default_group(backend, rank, world_size, local_rank, timeout)
 
         def make(groups: tuple[tuple[int, ...], ...]) -> ProcessGroup | None:
-            # new_group is collective over the whole world: every rank creates every group, in the same order.
-            mine = None
-            for ranks in groups:
-                if len(ranks) == 1:
-                    continue
-                g = dist.new_group(list(ranks), timeout=timeout)
-                if rank in ranks:
-                    mine = g
-            return mine
+            return _new_groups(groups, rank, timeout)
 
         c = layout.coords(rank)
         ctx = cls(
@@ -235,6 +205,58 @@ class ParallelContext:
         """Destroy the default process group if ``initialize`` created it (call once, at exit)."""
         if self.owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _launched_world(tp: int, pp: int) -> tuple[int, int] | None:
+    """``(world_size, rank)`` of the default group or the torchrun environment; ``None`` for a single process with
+    ``tp = pp = 1``; a single process asked for more raises ``ValueError`` with the launch command."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return _env_int("WORLD_SIZE"), _env_int("RANK")
+    if tp == 1 and pp == 1:
+        return None
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1")
+    raise ValueError(
+        f"tp x pp = {tp} x {pp} needs a multiple of {tp * pp} processes but this is a single process "
+        f"(WORLD_SIZE unset); launch with torchrun --nproc-per-node {tp * pp} (see examples/)"
+    )
+
+
+def _join_default_group(
+    backend: str | None, rank: int, world_size: int, local_rank: int, timeout: timedelta
+) -> tuple[bool, str, torch.device]:
+    """Initialise the default group unless it already is; returns (created it, its backend, this rank's device)."""
+    owns = not dist.is_initialized()
+    if owns:
+        backend = backend or default_backend()
+        if "nccl" in backend:
+            torch.cuda.set_device(local_rank)  # before the group, so NCCL binds this rank's GPU
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    backend = str(dist.get_backend())  # subgroups inherit the default group's backend
+    if "nccl" in backend:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return owns, backend, device
+
+
+def _new_groups(groups: tuple[tuple[int, ...], ...], rank: int, timeout: timedelta) -> ProcessGroup | None:
+    """Create every group of size > 1 in ``groups``; returns the one holding ``rank`` (``None`` if none does).
+
+    ``new_group`` is collective over the whole world: every rank creates every group, in the same order.
+    """
+    mine = None
+    for ranks in groups:
+        if len(ranks) == 1:
+            continue
+        g = dist.new_group(list(ranks), timeout=timeout)
+        if rank in ranks:
+            mine = g
+    return mine
 
 
 def _env_int(name: str) -> int:

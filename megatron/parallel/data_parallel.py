@@ -120,19 +120,22 @@ class DataParallelReducer:
             raise ValueError("DataParallelReducer got no trainable parameters")
         order = list(reversed(named))  # backward visits the last layers first
         dev = torch.device(device) if device is not None else order[0][1].device
+        self.buckets: tuple[GradBucket, ...] = self._lay_out_buckets(_plan_buckets(order, bucket_numel), dev)
+        self.params: tuple[torch.nn.Parameter, ...] = tuple(p for _, p in order)
+        self._init_iteration_state()
+        self._handles = [p.register_post_accumulate_grad_hook(self._autograd_hook) for p in self.params]
+        self._hooks_active = True
+        contribution_hook = _weak_contribution_hook(self)
+        for p in self.params:
+            register_grad_accumulated_hook(p, contribution_hook)
 
-        # Plan buckets: whole parameters, about bucket_numel each, padded to a multiple of dp.
-        plan: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
-        size = 0
-        for name, p in order:
-            if plan[-1] and size + p.numel() > bucket_numel:
-                plan.append([])
-                size = 0
-            plan[-1].append((name, p))
-            size += p.numel()
+    def _lay_out_buckets(
+        self, plan: list[list[tuple[str, torch.nn.Parameter]]], device: torch.device
+    ) -> tuple[GradBucket, ...]:
+        """Allocate ``buffer`` for the planned buckets (each padded to a multiple of dp), point every parameter's
+        ``main_grad`` into it and record where each one lies."""
         padded = [_round_up(sum(p.numel() for _, p in b), self.dp_size) for b in plan]
-        self.buffer = torch.zeros(sum(padded), dtype=torch.float32, device=dev)
-
+        self.buffer = torch.zeros(sum(padded), dtype=torch.float32, device=device)
         self._index: dict[int, tuple[int, int, int]] = {}  # id(param) -> (bucket, start, end) in buffer
         self._names: dict[int, str] = {}
         buckets = []
@@ -157,10 +160,10 @@ class DataParallelReducer:
                 )
             )
             start += n_padded
-        self.buckets: tuple[GradBucket, ...] = tuple(buckets)
-        self.params: tuple[torch.nn.Parameter, ...] = tuple(p for _, p in order)
+        return tuple(buckets)
 
-        # Per-iteration state.
+    def _init_iteration_state(self) -> None:
+        """The per-iteration bookkeeping, before the first iteration (nothing learned yet)."""
         self._ready: set[int] = set()
         self._pending: list[int] = [len(b.params) for b in self.buckets]  # params not yet ready per bucket
         self._counts: dict[int, int] = {}  # contributions in the current microbatch
@@ -168,12 +171,6 @@ class DataParallelReducer:
         self._is_last = False
         self._in_microbatch = False
         self.launch_order: list[int] = []  # bucket indices in launch order, this iteration (for tests and traces)
-
-        self._handles = [p.register_post_accumulate_grad_hook(self._autograd_hook) for p in self.params]
-        self._hooks_active = True
-        contribution_hook = _weak_contribution_hook(self)
-        for p in self.params:
-            register_grad_accumulated_hook(p, contribution_hook)
 
     # ----------------------------------------------------------------------------------------------- layout
     def param_range(self, param: torch.nn.Parameter) -> tuple[int, int, int]:
@@ -347,6 +344,21 @@ def _named_trainable(
             seen.add(id(p))
             out.append((name, p))
     return out
+
+
+def _plan_buckets(
+    order: list[tuple[str, torch.nn.Parameter]], bucket_numel: int
+) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Group parameters (in ``order``) into buckets of whole parameters, about ``bucket_numel`` elements each."""
+    plan: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+    size = 0
+    for name, p in order:
+        if plan[-1] and size + p.numel() > bucket_numel:
+            plan.append([])
+            size = 0
+        plan[-1].append((name, p))
+        size += p.numel()
+    return plan
 
 
 def _round_up(n: int, k: int) -> int:
