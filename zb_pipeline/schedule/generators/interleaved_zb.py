@@ -139,77 +139,108 @@ def place_w(
     expects that F/B to become ready (from a previous pass), so that W never delays the critical path as planned.
     Returns the per-rank plans, the makespan and the time each F/B became ready (the next pass's hint).
     """
-    seen_ready: dict[Action, float] = {}
-    p = len(seqs)
-    S = costs.num_stages
-    rank_of = [s % p for s in range(S)]
-    dur = {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}
-    delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
-    end: dict[Action, float] = {}
-    out: list[list[Action]] = [[] for _ in range(p)]
-    pos = [0] * p
-    free_at = [0.0] * p
-    first = [0.0] * p
-    mem = [0.0] * p
-    pending: list[list[Action]] = [[] for _ in range(p)]
-    events: list[float] = []
-    t = 0.0
-    left = sum(len(s) for s in seqs) * 3 // 2  # F/B plus one W per B
+    sim = _WPlacement(seqs, costs, caps, defer=defer, hint=hint)
+    while sim.left:
+        sim.start_free_ranks()
+        if not sim.left:
+            break
+        sim.advance_to_next_event()
+    return sim.out, max(sim.free_at[r] - sim.first[r] for r in range(sim.p)), sim.seen_ready
 
-    def ready_at(a: Action) -> float | None:
+
+class _WPlacement:
+    """The state of ``place_w``'s time-stepped simulation: per-rank plans, clocks, memory and pending Ws."""
+
+    def __init__(
+        self,
+        seqs: list[list[Action]],
+        costs: StageCosts,
+        caps: list[float],
+        *,
+        defer: bool,
+        hint: dict[Action, float] | None,
+    ) -> None:
+        p = len(seqs)
+        self.seqs, self.costs, self.caps, self.defer, self.hint, self.p = seqs, costs, caps, defer, hint, p
+        self.num_stages = costs.num_stages
+        self.rank_of = [s % p for s in range(self.num_stages)]
+        self.dur = {Kind.F: costs.f, Kind.B: costs.b, Kind.W: costs.w}
+        self.delta = {Kind.F: costs.mem_f, Kind.B: costs.mem_b, Kind.W: costs.mem_w}
+        self.seen_ready: dict[Action, float] = {}
+        self.end: dict[Action, float] = {}
+        self.out: list[list[Action]] = [[] for _ in range(p)]
+        self.pos = [0] * p
+        self.free_at = [0.0] * p
+        self.first = [0.0] * p
+        self.mem = [0.0] * p
+        self.pending: list[list[Action]] = [[] for _ in range(p)]
+        self.events: list[float] = []
+        self.t = 0.0
+        self.left = sum(len(s) for s in seqs) * 3 // 2  # F/B plus one W per B
+
+    def ready_at(self, a: Action) -> float | None:
+        """When ``a``'s inputs have arrived (``None`` while one is not computed yet)."""
         at = 0.0
-        for d in _deps(a, S):
-            if d not in end:
+        for d in _deps(a, self.num_stages):
+            if d not in self.end:
                 return None
-            at = max(at, end[d] + (costs.comm if rank_of[d.stage] != rank_of[a.stage] else 0.0))
+            hop = self.costs.comm if self.rank_of[d.stage] != self.rank_of[a.stage] else 0.0
+            at = max(at, self.end[d] + hop)
         return at
 
-    while left:
-        for r in range(p):
-            if free_at[r] > t + _EPS:
+    def next_action(self, r: int) -> Action | None:
+        """What rank ``r`` starts now: its next F/B if ready (after Ws that make room under the cap), else its
+        oldest pending W unless the hint says that W would delay the F/B; ``None`` to wait."""
+        pending, seq, t = self.pending[r], self.seqs[r], self.t
+        if not self.defer and pending:
+            return pending.pop(0)  # plain interleaved 1F1B: W right after its B
+        if self.pos[r] < len(seq):
+            nxt = seq[self.pos[r]]
+            at = self.ready_at(nxt)
+            if at is not None and at <= t + _EPS:
+                d = self.delta[nxt.kind][nxt.stage]
+                if d > 0 and self.mem[r] + d > self.caps[r] + _EPS and pending:
+                    return pending.pop(0)  # make room first
+                self.pos[r] += 1
+                return nxt
+        if pending and self.pos[r] < len(seq) and self.hint is not None:
+            nxt = seq[self.pos[r]]
+            w = pending[0]
+            if t + self.dur[Kind.W][w.stage] > self.hint.get(nxt, float("inf")) + _EPS:
+                return None  # wait for the F/B instead
+        return pending.pop(0) if pending else None
+
+    def start(self, r: int, act: Action) -> None:
+        """Run ``act`` on rank ``r`` from now: record it, its end (and the hand-off's) as events, its memory."""
+        t = self.t
+        if not self.out[r]:
+            self.first[r] = t
+        if act.kind is not Kind.W:
+            self.seen_ready[act] = self.ready_at(act) or 0.0
+        self.out[r].append(act)
+        self.end[act] = self.free_at[r] = t + self.dur[act.kind][act.stage]
+        heapq.heappush(self.events, self.end[act])
+        heapq.heappush(self.events, self.end[act] + self.costs.comm)
+        self.mem[r] += self.delta[act.kind][act.stage]
+        self.left -= 1
+        if act.kind is Kind.B:
+            self.pending[r].append(Action(act.stage, Kind.W, act.microbatch))
+
+    def start_free_ranks(self) -> None:
+        """Every rank idle at the current time starts what ``next_action`` picks, if anything."""
+        for r in range(self.p):
+            if self.free_at[r] > self.t + _EPS:
                 continue
-            act: Action | None = None
-            if not defer and pending[r]:
-                act = pending[r].pop(0)  # plain interleaved 1F1B: W right after its B
-            elif pos[r] < len(seqs[r]):
-                nxt = seqs[r][pos[r]]
-                at = ready_at(nxt)
-                if at is not None and at <= t + _EPS:
-                    d = delta[nxt.kind][nxt.stage]
-                    if d > 0 and mem[r] + d > caps[r] + _EPS and pending[r]:
-                        act = pending[r].pop(0)  # make room first
-                    else:
-                        act = nxt
-                        pos[r] += 1
-            if act is None and pending[r] and pos[r] < len(seqs[r]) and hint is not None:
-                nxt = seqs[r][pos[r]]
-                w = pending[r][0]
-                if t + dur[Kind.W][w.stage] > hint.get(nxt, float("inf")) + _EPS:
-                    continue  # wait for the F/B instead
-            if act is None and pending[r]:
-                act = pending[r].pop(0)
-            if act is None:
-                continue
-            if not out[r]:
-                first[r] = t
-            if act.kind is not Kind.W:
-                seen_ready[act] = ready_at(act) or 0.0
-            out[r].append(act)
-            end[act] = free_at[r] = t + dur[act.kind][act.stage]
-            heapq.heappush(events, end[act])
-            heapq.heappush(events, end[act] + costs.comm)
-            mem[r] += delta[act.kind][act.stage]
-            left -= 1
-            if act.kind is Kind.B:
-                pending[r].append(Action(act.stage, Kind.W, act.microbatch))
-        if not left:
-            break
-        while events and events[0] <= t + _EPS:
-            heapq.heappop(events)
-        if not events:
+            act = self.next_action(r)
+            if act is not None:
+                self.start(r, act)
+
+    def advance_to_next_event(self) -> None:
+        while self.events and self.events[0] <= self.t + _EPS:
+            heapq.heappop(self.events)
+        if not self.events:
             raise RuntimeError("interleaved-zb W placement got stuck; this is a bug")
-        t = heapq.heappop(events)
-    return out, max(free_at[r] - first[r] for r in range(p)), seen_ready
+        self.t = heapq.heappop(self.events)
 
 
 @register(
