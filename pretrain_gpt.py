@@ -19,11 +19,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from megatron.arguments import parse_run_config
     from megatron.config.errors import ConfigError, RunAbortedError
+    from megatron.requirements import check_torch
 
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        check_torch(torch.__version__)
         run = parse_run_config(argv, world_size=world_size)
     except ConfigError as err:
         if rank == 0:
