@@ -3,7 +3,9 @@
 #
 #   MODEL_CONFIG   named size (gpt-tiny ... gpt-13b) or a YAML file        default: gpt-tiny
 #   TP, PP         --tensor-model-parallel-size / --pipeline-model-parallel-size      default: 1 / 1
-#   MBS, GBS       --micro-batch-size / --global-batch-size                default: 2 / 16
+#   MBS            --micro-batch-size                                      default: 2
+#   GBS            --global-batch-size      default: MBS x data-parallel size x MICROBATCHES (global_batch_size)
+#   MICROBATCHES   microbatches per data-parallel replica per iteration    default: 2 x PP, at least 4
 #   SEQ_LENGTH     --seq-length                                            default: 128
 #   TRAIN_ITERS    --train-iters                                           default: 50
 #   DATA_PATH      a preprocessed corpus prefix (tools/preprocess_data.py); unset: --mock-data
@@ -26,7 +28,6 @@ GPT_ARGS=(
     --tensor-model-parallel-size "${TP:-1}"
     --pipeline-model-parallel-size "${PP:-1}"
     --micro-batch-size "${MBS:-2}"
-    --global-batch-size "${GBS:-16}"
     --train-iters "${TRAIN_ITERS:-50}"
     --lr "${LR:-1e-3}"
     --min-lr "${MIN_LR:-1e-4}"
@@ -52,6 +53,16 @@ if [[ -n "${DATA_PATH:-}" ]]; then
 else
     DATA_ARGS=(--mock-data)
 fi
+
+# The global batch for WORLD ranks ($1): GBS if set, else one that divides on this layout -- MBS x dp x
+# MICROBATCHES, with 2 x PP microbatches per replica (at least 4) so zero-bubble plans have m >= 2p.
+global_batch_size() {
+    local dp=$(( $1 / (${TP:-1} * ${PP:-1}) ))
+    (( dp >= 1 )) || dp=1
+    local pp=${PP:-1}
+    local m=${MICROBATCHES:-$(( 2 * pp > 4 ? 2 * pp : 4 ))}
+    echo "${GBS:-$(( ${MBS:-2} * dp * m ))}"
+}
 
 CKPT_ARGS=()
 [[ -n "${SAVE:-}" ]] && CKPT_ARGS+=(--save "$SAVE" --save-interval "${SAVE_INTERVAL:-1000}")

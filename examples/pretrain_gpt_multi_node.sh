@@ -28,4 +28,5 @@ fi
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC_PER_NODE" \
     --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "${RDZV_ID:-zb-megatron}" \
-    pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"
+    pretrain_gpt.py "${GPT_ARGS[@]}" --global-batch-size "$(global_batch_size $(( NNODES * NPROC_PER_NODE )))" \
+    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"

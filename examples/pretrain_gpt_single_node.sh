@@ -16,4 +16,5 @@ if [[ -z "${NPROC:-}" ]]; then
 fi
 
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-    pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"
+    pretrain_gpt.py "${GPT_ARGS[@]}" --global-batch-size "$(global_batch_size "$NPROC")" \
+    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"

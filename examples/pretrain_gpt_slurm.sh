@@ -5,10 +5,12 @@
 #   sbatch --nodes 4 examples/pretrain_gpt_slurm.sh --sequence-parallel
 #   TP=8 PP=4 MODEL_CONFIG=gpt-13b sbatch --nodes 16 examples/pretrain_gpt_slurm.sh
 #
+# One task per node (a torchrun that starts one process per GPU); --gpus-per-node asks SLURM for the GPUs.
 # GPUS_PER_NODE defaults to the GPUs SLURM gave this node (else 1).  Other settings: examples/gpt_common.sh.
 #SBATCH --job-name=zb-megatron-gpt
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=01:00:00
 #SBATCH --output=zb-megatron-%j.log
@@ -35,4 +37,5 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
         --rdzv-backend c10d --rdzv-endpoint "$3" --rdzv-id "$4" \
         "${@:5}"
 ' "$PYTHON" "$NNODES" "$GPUS_PER_NODE" "$MASTER_ADDR:$MASTER_PORT" "$SLURM_JOB_ID" \
-    pretrain_gpt.py "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"
+    pretrain_gpt.py "${GPT_ARGS[@]}" --global-batch-size "$(global_batch_size $(( NNODES * GPUS_PER_NODE )))" \
+    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"

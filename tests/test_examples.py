@@ -37,6 +37,43 @@ def test_multi_node_and_slurm_say_what_is_missing():
     assert res.returncode != 0 and "run this through sbatch" in res.stderr
 
 
+def _example_args(world: int, **env: str) -> list[str]:
+    """The flags an example passes to pretrain_gpt.py on ``world`` ranks (gpt_common.sh's, with its global batch)."""
+    script = (
+        f'source "{EXAMPLES}/gpt_common.sh"; '
+        f'printf "%s\\n" "${{GPT_ARGS[@]}}" --global-batch-size "$(global_batch_size {world})" "${{DATA_ARGS[@]}}"'
+    )
+    res = subprocess.run(["bash", "-c", script], env={**_env(), **env}, capture_output=True, text=True, check=True)
+    return res.stdout.split()
+
+
+@pytest.mark.parametrize(
+    "world,env",
+    [
+        (16, {}),  # 2 nodes x 8 GPUs, the multi-node and SLURM defaults
+        (16, {"TP": "8", "MODEL_CONFIG": "gpt-1.3b"}),
+        (16, {"TP": "2", "PP": "4", "MODEL_CONFIG": "gpt-1.3b"}),
+        (32, {"TP": "8", "PP": "2", "MBS": "1", "MODEL_CONFIG": "gpt-2.7b"}),
+        (4, {"TP": "2"}),  # the single-node default on CPU
+    ],
+)
+def test_default_global_batch_divides_on_the_layout(world: int, env: dict[str, str]) -> None:
+    from megatron.arguments import parse_run_config
+
+    argv = _example_args(world, **env)
+    run = parse_run_config(
+        [
+            *argv,
+            "--tensor-model-parallel-size",
+            env.get("TP", "1"),
+            "--pipeline-model-parallel-size",
+            env.get("PP", "1"),
+        ],
+        world_size=world,
+    )
+    assert run.num_microbatches >= max(4, 2 * run.parallel.pp_size)
+
+
 def _final_loss(output: str) -> str:
     lines = [line for line in output.splitlines() if "iteration        2/       2" in line]
     assert lines, output[-3000:]
