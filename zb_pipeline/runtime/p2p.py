@@ -11,8 +11,10 @@ communication stream executes them in, so the stream runs exactly the strict mod
 Shapes come from the caller: ``boundary_specs[s]`` is the tensor handed from virtual stage ``s`` to ``s + 1`` (the
 activation one way, its gradient the other), so no shape handshake is ever needed.
 
-Every wait has a timeout and every failure (timeout, a dead peer's closed socket) raises ``PipelineCommError``
-naming this rank, the peer rank and the action that waited.
+Every transfer and wait goes through ``zb_pipeline.comm``, which refuses a tensor that is not on the group's device.
+On gloo every wait has a host timeout; on NCCL a wait only makes the compute stream wait (no per-call timeout) and
+the process group's watchdog aborts a transfer that never completes.  Every failure (timeout, a dead peer's closed
+socket) raises ``PipelineCommError`` naming this rank, the peer rank and the action that waited.
 
 Checking mode (``check=True``; for gloo tests)
 ---------------------------------------------
@@ -37,8 +39,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
+from zb_pipeline import comm
 from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.lowering import CommBatch, LoweredStep
 
@@ -102,7 +104,9 @@ class PipelineP2P:
 
     ``pp_rank``: this rank's index in the pipeline (the plan's rank numbers); ``pp_ranks[i]``: the global rank of
     pipeline rank ``i`` (default: the members of ``group``, or ``range(world)``); ``boundary_specs[s]``: the tensor
-    between stage ``s`` and ``s + 1``.  ``timeout_s`` bounds every wait.
+    between stage ``s`` and ``s + 1``.  ``device``: where hand-offs and receive buffers live (default: the
+    group's device, ``comm.device_of``; another device is refused at once).  ``timeout_s`` bounds every host wait on
+    gloo; on NCCL waits take no per-call timeout (the process group's watchdog times a transfer out).
     """
 
     def __init__(
@@ -110,9 +114,9 @@ class PipelineP2P:
         *,
         pp_rank: int,
         boundary_specs: Sequence[TensorSpec],
-        group: dist.ProcessGroup | None = None,
+        group: comm.ProcessGroup | None = None,
         pp_ranks: Sequence[int] | None = None,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | None = None,
         timeout_s: float = 600.0,
         check: bool = False,
         tracer: object | None = None,
@@ -121,17 +125,20 @@ class PipelineP2P:
             raise ValueError(f"{timeout_s=} must be > 0")
         self.pp_rank = pp_rank
         self.group = group
-        if pp_ranks is None:
-            pp_ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        self.pp_ranks = tuple(pp_ranks)
+        self.pp_ranks = tuple(pp_ranks) if pp_ranks is not None else comm.group_ranks(group)
         self.specs = tuple(boundary_specs)
-        self.device = torch.device(device)
+        where = comm.placement(group)
+        self.device = where.device if device is None else torch.device(device)
+        if not where.accepts(self.device):
+            raise comm.CommDeviceError(
+                f"rank {pp_rank}: the pipeline's {where.backend} group moves tensors on {where.device}, not on "
+                f"device={self.device}; pass the ParallelContext's device (or none)"
+            )
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
         self.check = check
         self.tracer = tracer
-        backend = dist.get_backend(group)
-        self._batched = backend not in ("gloo",)  # NCCL (and others) need grouped posting to match as a unit
+        self._batched = where.backend not in ("gloo",)  # NCCL (and others) need grouped posting to match as a unit
         self._recvs: dict[tuple[Kind, int, int], tuple[object | None, torch.Tensor, Action]] = {}
         self._sends: list[tuple[object, torch.Tensor, Action]] = []
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
@@ -178,7 +185,7 @@ class PipelineP2P:
         except PipelineCommError:
             raise
         except RuntimeError as err:
-            if not isinstance(err, dist.DistError) and "onnection" not in str(err):
+            if not isinstance(err, comm.DistError) and "onnection" not in str(err):
                 raise
             peers = sorted({a.peer for a in batch.actions})
             raise PipelineCommError(
@@ -235,12 +242,12 @@ class PipelineP2P:
             kind = a.kind
             if kind is _SEND_F or kind is _SEND_B or kind is _SEND_PV:
                 t = self._send_tensor(a, payload)
-                self._sends.append((dist.isend(t, pp_ranks[a.peer], group=group, tag=tag), t, a))
+                self._sends.append((comm.isend(t, pp_ranks[a.peer], group=group, tag=tag), t, a))
             else:
                 receives.append(a)
         for a in receives:
             buf = self._recv_buffer(a)
-            work = dist.irecv(buf, pp_ranks[a.peer], group=group, tag=tag)
+            work = comm.irecv(buf, pp_ranks[a.peer], group=group, tag=tag)
             self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
 
     def _recv_buffer(self, a: Action) -> torch.Tensor:
@@ -279,22 +286,18 @@ class PipelineP2P:
             if is_send:
                 ops.append((True, self._send_tensor(a, payload), peer, a))
                 if check:
-                    ack = torch.empty(3, dtype=torch.int64)
-                    acks_in.append((dist.irecv(ack, peer, group=self.group, tag=_ACK_TAG), ack, a))
+                    ack = torch.empty(3, dtype=torch.int64, device=self.device)
+                    acks_in.append((comm.irecv(ack, peer, group=self.group, tag=_ACK_TAG), ack, a))
             else:
                 ops.append((False, self._recv_buffer(a), peer, a))
                 if check:
-                    ident = torch.tensor(transfer_identity(a), dtype=torch.int64)
-                    self._acks.append((dist.isend(ident, peer, group=self.group, tag=_ACK_TAG), ident, a))
+                    ident = torch.tensor(transfer_identity(a), dtype=torch.int64, device=self.device)
+                    self._acks.append((comm.isend(ident, peer, group=self.group, tag=_ACK_TAG), ident, a))
         if self._batched:
-            p2p_ops = [
-                dist.P2POp(dist.isend if s else dist.irecv, t, peer, group=self.group, tag=_DATA_TAG)
-                for s, t, peer, _ in ops
-            ]
-            works = dist.batch_isend_irecv(p2p_ops) if p2p_ops else []
+            works = comm.batch_isend_irecv([(s, t, peer) for s, t, peer, _ in ops], group=self.group, tag=_DATA_TAG)
         else:
             works = [
-                (dist.isend if s else dist.irecv)(t, peer, group=self.group, tag=_DATA_TAG) for s, t, peer, _ in ops
+                (comm.isend if s else comm.irecv)(t, peer, group=self.group, tag=_DATA_TAG) for s, t, peer, _ in ops
             ]
         for (is_send, t, _, a), work in zip(ops, works):
             if is_send:
@@ -320,7 +323,7 @@ class PipelineP2P:
                     f"{a.peer} never posted the receive matching {a} -- the plan relies on buffering and deadlocks "
                     "on NCCL (or that rank is stuck)"
                 )
-            got = tuple(int(v) for v in ack)
+            got = tuple(ack.tolist())
             want = transfer_identity(a)
             if got != want:
                 raise CommOrderError(
@@ -345,7 +348,7 @@ class PipelineP2P:
         """Wait for ``work`` up to ``deadline``; False on timeout, ``PipelineCommError`` if the transfer failed."""
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            work.wait(timedelta(seconds=left))
+            comm.wait(work, group=self.group, timeout=timedelta(seconds=left))
         except RuntimeError as err:
             if "imed out" in str(err) or "imeout" in str(err):
                 return False
@@ -367,7 +370,7 @@ class PipelineP2P:
         tracer = self.tracer
         t0 = time.perf_counter() if tracer is not None else 0.0
         try:
-            work.wait(self._timeout)
+            comm.wait(work, group=self.group, timeout=self._timeout)
         except RuntimeError as err:
             raise PipelineCommError(
                 f"rank {self.pp_rank}: {waiter} waited for {a} from rank {a.peer} (global rank "
@@ -388,7 +391,7 @@ class PipelineP2P:
         deadline = time.monotonic() + self.timeout_s
         for work, _, a in self._sends:
             try:
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                comm.wait(work, group=self.group, timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError as err:
                 raise PipelineCommError(
                     f"rank {self.pp_rank}: end of iteration waited for {a} to rank {a.peer} (global rank "
@@ -396,7 +399,7 @@ class PipelineP2P:
                 ) from err
         for work, _, a in self._acks:
             try:
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                comm.wait(work, group=self.group, timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError as err:
                 raise PipelineCommError(
                     f"rank {self.pp_rank}: end of iteration: the acknowledgement of {a} to rank {a.peer} failed: "

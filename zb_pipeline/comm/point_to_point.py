@@ -1,0 +1,71 @@
+"""Point-to-point transfers and the one way to wait for any asynchronous work of the layer.
+
+Every transfer is refused (``CommDeviceError``) when its tensor is not on the group's device: a pipeline hand-off
+or a receive buffer on the wrong device means the stage or its boundary spec is wrong, and a silent copy would hide
+it (a received tensor would land in the copy).
+
+``wait(work, group=..., timeout=...)``:
+
+- gloo: ``work.wait(timeout)``, a host-side wait that raises once ``timeout`` has passed (``None``: the group's
+  timeout, as ``work.wait()``);
+- NCCL: ``work.wait()`` with no per-call timeout, whatever the caller passed.  On NCCL a timed wait blocks the CPU
+  until the transfer is done; without one it only makes the current (compute) stream wait for the communication
+  stream, so the CPU keeps issuing work.  A transfer that never completes is aborted by the NCCL watchdog after the
+  process group's timeout (``zb_pipeline.comm.groups``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from zb_pipeline.comm.backend import current
+from zb_pipeline.comm.placement import check_devices, placement
+
+__all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
+
+
+def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
+    """Start sending ``t`` to global rank ``peer``; returns the work."""
+    check_devices("isend", (t,), group)
+    return current().isend(t, peer, group=group, tag=tag)
+
+
+def irecv(buf: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
+    """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
+    check_devices("irecv", (buf,), group)
+    return current().irecv(buf, peer, group=group, tag=tag)
+
+
+def send(t: torch.Tensor, peer: int, *, group: Any = None) -> None:
+    """Send ``t`` to global rank ``peer`` and return when it is sent."""
+    check_devices("send", (t,), group)
+    current().send(t, peer, group=group)
+
+
+def recv(buf: torch.Tensor, peer: int, *, group: Any = None) -> None:
+    """Receive into ``buf`` from global rank ``peer`` and return when it has arrived."""
+    check_devices("recv", (buf,), group)
+    current().recv(buf, peer, group=group)
+
+
+def batch_isend_irecv(ops: Sequence[tuple[bool, torch.Tensor, int]], *, group: Any = None, tag: int = 0) -> list[Any]:
+    """Post ``(is_send, tensor, global peer)`` ops as one group (NCCL matches them as a unit); one work per op."""
+    if not ops:
+        return []
+    check_devices("batch_isend_irecv", (t for _, t, _ in ops), group)
+    b = current()
+    return list(
+        b.batch_isend_irecv([b.P2POp(b.isend if s else b.irecv, t, peer, group=group, tag=tag) for s, t, peer in ops])
+    )
+
+
+def wait(work: Any, *, group: Any = None, timeout: timedelta | None = None) -> None:
+    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only)."""
+    if timeout is None or placement(group).is_nccl:
+        work.wait()
+    else:
+        work.wait(timeout)
