@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from megatron import checkpoint_files as cf
 from megatron.config.errors import ConfigError, RunAbortedError
 from megatron.parallel.tensor_parallel import VocabParallelEmbedding
+from zb_pipeline import comm
 
 if TYPE_CHECKING:
     from megatron.trainer_state import Trainer
@@ -135,13 +135,13 @@ def _agree(ctx: Any, error: str | None) -> str | None:
     if not ctx.is_distributed:
         return error
     errors: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(errors, error)
+    comm.all_gather_object(errors, error)
     return next((e for e in errors if e), None)
 
 
 def _barrier(ctx: Any) -> None:
     if ctx.is_distributed:
-        dist.barrier()
+        comm.barrier()
 
 
 # --------------------------------------------------------------------------------------------------------- save
@@ -182,7 +182,7 @@ def save_checkpoint(tr: Trainer, *, log=None) -> Path:
     if error is None:
         if ctx.is_distributed:
             gathered: list[dict[str, Any]] = [{}] * ctx.world_size
-            dist.all_gather_object(gathered, entries)
+            comm.all_gather_object(gathered, entries)
             for part in gathered:
                 entries.update(part)
         if ctx.rank == 0:

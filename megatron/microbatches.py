@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.data.mock_data import collate
 from megatron.parallel.context import ParallelContext
+from zb_pipeline import comm
 
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
@@ -44,5 +44,5 @@ def mean_over_dp(total: torch.Tensor, count: int, ctx: ParallelContext) -> float
     """Average a sum of per-microbatch losses over every microbatch of every data-parallel rank (``count`` per
     rank); an all-reduce over the data-parallel group, in place on ``total``."""
     if ctx.dp_group is not None:
-        dist.all_reduce(total, group=ctx.dp_group)
+        comm.all_reduce(total, group=ctx.dp_group)
     return float(total) / (count * ctx.dp_size)

@@ -1,8 +1,8 @@
 """``--exit-signal-handler``: turn SIGTERM (preemption) into "save at the end of this iteration, then exit".
 
 The handler only records the signal; the training loop asks ``should_exit()`` once per iteration, which combines
-the flag over every rank (one tiny all-reduce), so all ranks save and stop at the same iteration even when the
-signal reached only some of them.
+the flag over every rank (one tiny all-reduce, staged on the default group's device by ``zb_pipeline.comm``), so all
+ranks save and stop at the same iteration even when the signal reached only some of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import signal
 from types import FrameType
 
 import torch
-import torch.distributed as dist
+
+from zb_pipeline import comm
 
 
 class ExitSignalHandler:
@@ -36,6 +37,5 @@ class ExitSignalHandler:
         """Whether any rank received the signal (a collective when ``distributed``: call it on every rank)."""
         if not distributed:
             return self.received
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        (anyone,) = comm.all_reduce_values([1 if self.received else 0], op="max", dtype=torch.int32)
+        return bool(anyone)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
-import torch.distributed as dist
 
 from megatron.arguments import RunConfig
 from megatron.checkpoint_files import check_writable
@@ -48,6 +47,7 @@ from megatron.trainer_state import Trainer
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
 from megatron.training_setup import setup
 from megatron.training_step import StepResult, settle_pending_step, train_step
+from zb_pipeline import comm
 from zb_pipeline.runtime.host_allocator import keep_freed_host_memory
 
 
@@ -61,13 +61,14 @@ class TrainSummary:
 
 
 def params_per_stage(tr: Trainer) -> list[int]:
-    """Parameter count of each pipeline stage, summed over its tensor-parallel ranks (one data-parallel replica)."""
+    """Parameter count of each pipeline stage, summed over its tensor-parallel ranks (one data-parallel replica):
+    one all-reduce over the world, staged on its device by the communication layer."""
     local = sum(p.numel() for p in tr.optimizer.params)
-    counts = torch.zeros(tr.ctx.pp_size, dtype=torch.int64)
+    counts = [0] * tr.ctx.pp_size
     counts[tr.ctx.pp_rank] = local if tr.ctx.dp_rank == 0 else 0
     if tr.ctx.is_distributed:
-        dist.all_reduce(counts)
-    return counts.tolist()
+        counts = comm.all_reduce_values(counts, dtype=torch.int64)
+    return counts
 
 
 def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:

@@ -10,7 +10,6 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.arguments import RunConfig
 from megatron.config.errors import ConfigError
@@ -22,6 +21,7 @@ from megatron.parallel.data_parallel import DataParallelReducer
 from megatron.pipeline.post_validated_step import PostValidatedStep
 from megatron.pipeline.trainer_hooks import attach_reducer, build_trainer_pipeline
 from megatron.trainer_state import Trainer
+from zb_pipeline import comm
 
 
 def resolve_vocab(run: RunConfig) -> RunConfig:
@@ -77,7 +77,7 @@ def build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | Non
     datasets, error = attempt() if ctx.rank == 0 or not ctx.is_distributed else (None, None)
     if ctx.is_distributed:
         message = [error]
-        dist.broadcast_object_list(message, src=0)
+        comm.broadcast_object_list(message, src=0)
         error = message[0]
         if error is None and ctx.rank != 0:
             datasets, error = attempt()

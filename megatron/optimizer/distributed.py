@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.optimizer.grad_norm import owns_grad
 from megatron.optimizer.main_params import MainParamOptimizer, MainShard, fp32_main_copy
 from megatron.parallel.data_parallel import DataParallelReducer
+from zb_pipeline import comm
 
 
 class DistributedOptimizer(MainParamOptimizer):
@@ -39,8 +39,8 @@ class DistributedOptimizer(MainParamOptimizer):
         *,
         reducer: DataParallelReducer,
         tp_rank: int = 0,
-        stage_group: dist.ProcessGroup | None = None,
-        pp_group: dist.ProcessGroup | None = None,
+        stage_group: comm.ProcessGroup | None = None,
+        pp_group: comm.ProcessGroup | None = None,
     ) -> None:
         if reducer.reduce_op != "reduce_scatter" and reducer.dp_size > 1:
             raise ValueError("the distributed optimizer needs a DataParallelReducer with reduce_op='reduce_scatter'")
@@ -77,12 +77,11 @@ class DistributedOptimizer(MainParamOptimizer):
             start = red.param_range(s.param)[1]
             self.gather_buffer[start + s.lo : start + s.hi].copy_(s.main)
         if red.dp_size > 1:
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             for b in red.buckets:
                 out = self.gather_buffer[b.start : b.end]
                 n = out.numel() // red.dp_size
                 mine = out[red.dp_rank * n : (red.dp_rank + 1) * n].clone()
-                gather(out, mine, group=red.dp_group)
+                comm.all_gather_into_tensor(out, mine, group=red.dp_group)
         for _, p in self.model_params:
             _, start, end = red.param_range(p)
             p.copy_(self.gather_buffer[start:end].view_as(p))

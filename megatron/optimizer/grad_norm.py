@@ -7,16 +7,19 @@ weights, row-parallel biases) is owned by tensor-parallel rank 0 only; a paramet
 nobody here. Data-parallel replicas hold identical reduced gradients, so only the model-parallel group is reduced.
 
 ``reduce_grad_stats`` is the single synchronisation point of these statistics: the post-validation work replaces
-exactly that function, so nothing else here may communicate.
+exactly that function, so nothing else here may communicate.  The statistics stay on the gradients' device until
+``stats_from_total`` reads the reduced pair to the host: one host synchronisation per step.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+
+from zb_pipeline import comm
 
 
 @dataclass(frozen=True)
@@ -41,54 +44,48 @@ def owns_grad(param: torch.nn.Parameter, *, tp_rank: int) -> bool:
 
 
 def local_grad_stats(params: Iterable[torch.nn.Parameter], *, tp_rank: int = 0) -> torch.Tensor:
-    """``[sum of squares, number of non-finite entries]`` (float64) over the gradients this rank owns."""
-    sq = torch.zeros((), dtype=torch.float64)
-    bad = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        g = grad_of(p)
-        if g is None or not owns_grad(p, tp_rank=tp_rank):
-            continue
-        g32 = g.detach().float()
-        sq += torch.dot(g32.reshape(-1), g32.reshape(-1)).double()
+    """``[sum of squares, number of non-finite entries]`` (float64, on the gradients' device) over the gradients
+    this rank owns."""
+    grads = [g for p in params if (g := grad_of(p)) is not None and owns_grad(p, tp_rank=tp_rank)]
+    return sum_squares_and_nonfinite(grads, device=grads[0].device if grads else torch.device("cpu"))
+
+
+def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor], *, device: torch.device | str) -> torch.Tensor:
+    """``[sum of squares, number of non-finite entries]`` (float64, on ``device``, where the gradients are) of the
+    given gradient tensors (already chosen); no host synchronisation."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    bad = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        g32 = g.detach().float().reshape(-1)
+        sq += torch.dot(g32, g32).double()
         bad += (~torch.isfinite(g32)).sum().double()
     return torch.stack([sq, bad])
 
 
-def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """``[sum of squares, number of non-finite entries]`` (float64) of the given gradient tensors (already chosen)."""
-    sq = torch.zeros((), dtype=torch.float64)
-    bad = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        g32 = g.detach().float().reshape(-1)
-        sq += torch.dot(g32, g32).double().cpu()
-        bad += (~torch.isfinite(g32)).sum().double().cpu()
-    return torch.stack([sq, bad])
-
-
 def stats_from_total(total: torch.Tensor) -> GradStats:
-    """``GradStats`` from a reduced ``[sum of squares, non-finite count]``."""
-    sq, bad = float(total[0]), float(total[1])
-    found_nonfinite = bad > 0 or not torch.isfinite(total[0]).item()
+    """``GradStats`` from a reduced ``[sum of squares, non-finite count]``: its one read to the host."""
+    sq, bad = total[:2].tolist()
+    found_nonfinite = bad > 0 or not math.isfinite(sq)
     return GradStats(norm=float("nan") if found_nonfinite else sq**0.5, found_nonfinite=found_nonfinite)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
     """Megatron's clip factor ``max_norm / (norm + 1e-6)`` when that is below 1, else 1 (``max_norm = 0``: off)."""
-    if max_norm <= 0 or not torch.isfinite(torch.tensor(norm)).item():
+    if max_norm <= 0 or not math.isfinite(norm):
         return 1.0
     coeff = max_norm / (norm + 1e-6)
     return coeff if coeff < 1.0 else 1.0
 
 
-def reduce_grad_stats(local: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+def reduce_grad_stats(local: torch.Tensor, *, group: comm.ProcessGroup | None) -> torch.Tensor:
     """THE synchronisation of gradient statistics: sum ``local`` over the model-parallel ``group`` (one collective).
 
     ``group=None`` (or a single-rank group) means nothing to reduce. Returns the summed tensor (same shape).
     """
-    if group is None or dist.get_world_size(group) == 1:
+    if group is None or comm.world_size(group) == 1:
         return local
     out = local.clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    comm.all_reduce(out, op="sum", group=group)
     return out
 
 
@@ -97,22 +94,19 @@ def clip_grads(
     max_norm: float,
     *,
     tp_rank: int = 0,
-    mp_group: dist.ProcessGroup | None = None,
+    mp_group: comm.ProcessGroup | None = None,
 ) -> GradStats:
     """Compute the global grad norm over every model-parallel rank and scale gradients so it is at most ``max_norm``.
 
     ``max_norm = 0`` only measures. Non-finite gradients are reported, never scaled (the caller skips the update).
     Gradients are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1, as in Megatron.
     """
-    total = reduce_grad_stats(local_grad_stats(params, tp_rank=tp_rank), group=mp_group)
-    sq, bad = float(total[0]), float(total[1])
-    found_nonfinite = bad > 0 or not torch.isfinite(total[0]).item()
-    norm = float("nan") if found_nonfinite else sq**0.5
-    if not found_nonfinite and max_norm > 0:
-        coeff = max_norm / (norm + 1e-6)
+    stats = stats_from_total(reduce_grad_stats(local_grad_stats(params, tp_rank=tp_rank), group=mp_group))
+    if not stats.found_nonfinite and max_norm > 0:
+        coeff = max_norm / (stats.norm + 1e-6)
         if coeff < 1.0:
             for p in params:
                 g = grad_of(p)
                 if g is not None:
                     g.mul_(coeff)
-    return GradStats(norm=norm, found_nonfinite=found_nonfinite)
+    return stats

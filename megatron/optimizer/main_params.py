@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.precision import PrecisionConfig
@@ -46,6 +45,7 @@ from megatron.optimizer.grad_norm import (
 from megatron.optimizer.loss_scaler import LossScaler, build_loss_scaler
 from megatron.optimizer.registry import build_update_rule
 from megatron.optimizer.update_rule import default_no_weight_decay
+from zb_pipeline import comm
 from zb_pipeline.optim.post_validation import gather_in_rank_order, local_state
 
 PIECE_METADATA = ("lo", "hi", "numel", "shape")  # a checkpoint piece's other entries are flat fp32 tensors
@@ -88,8 +88,8 @@ class MainParamOptimizer:
         precision: PrecisionConfig,
         *,
         tp_rank: int = 0,
-        stage_group: dist.ProcessGroup | None = None,
-        pp_group: dist.ProcessGroup | None = None,
+        stage_group: comm.ProcessGroup | None = None,
+        pp_group: comm.ProcessGroup | None = None,
     ) -> None:
         self.config, self.precision = config, precision
         self.tp_rank = tp_rank
@@ -105,6 +105,8 @@ class MainParamOptimizer:
                 seen.add(id(p))
                 params.append((name, p))
         self.model_params = params
+        # Where the gradients (and so their statistics) live: they never leave it before the one host read per step.
+        self.device = params[0][1].device if params else torch.device("cpu")
         self.shards: list[MainShard] = self._build_shards(params)
         by_name = {s.name: s for s in self.shards}
         self.update_rule = build_update_rule(
@@ -151,12 +153,13 @@ class MainParamOptimizer:
         return self._local_stats()
 
     def _local_stats(self) -> torch.Tensor:
-        local = sum_squares_and_nonfinite(s.grad for s in self.shards if s.owned)
+        local = sum_squares_and_nonfinite((s.grad for s in self.shards if s.owned), device=self.device)
         return reduce_grad_stats(local, group=self.stage_group)
 
     def grad_stats(self, local: torch.Tensor | None = None) -> GradStats:
         """Global norm and inf/NaN of the (unscaled) main gradients: the stages' local statistics summed in
-        pipeline-rank order (one all-gather over the pipeline; ``local`` defaults to this rank's, not unscaled)."""
+        pipeline-rank order (one all-gather over the pipeline; ``local`` defaults to this rank's, not unscaled).
+        Everything stays on the device up to ``stats_from_total``, the step's one host read."""
         if local is None:
             local = self._local_stats()
         total = gather_in_rank_order(local_state(local), self.pp_group)

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from megatron.parallel.rank_math import RankLayout
+from zb_pipeline import comm
 
 __all__ = ["DEFAULT_TIMEOUT", "ParallelContext", "default_backend"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
-ProcessGroup = dist.ProcessGroup
+ProcessGroup = comm.ProcessGroup
 
 
 def default_backend() -> str:
@@ -108,8 +108,9 @@ class ParallelContext:
         caller that set it up) it is reused.  The layout is checked *before* any rendezvous, so a bad ``tp``/``pp``
         raises ``ValueError`` at once instead of hanging.  Without a torchrun environment and with ``tp = pp = 1``
         this is ``single()``.  ``backend=None`` picks NCCL when CUDA is available, else gloo.  Every group gets
-        ``timeout``, so a peer that dies turns a collective into an error, not a hang.  ``chunks``/``placement``
-        (virtual stages) decide the embedding group.
+        ``timeout``, so a peer that dies turns a collective into an error, not a hang: gloo's host-side waits time
+        out; on NCCL it is the watchdog's timeout, with asynchronous error handling on (``zb_pipeline.comm.groups``),
+        and waits never block the CPU.  ``chunks``/``placement`` (virtual stages) decide the embedding group.
         """
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"{timeout=} must be a positive datetime.timedelta")
@@ -203,15 +204,15 @@ class ParallelContext:
 
     def shutdown(self) -> None:
         """Destroy the default process group if ``initialize`` created it (call once, at exit)."""
-        if self.owns_default_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self.owns_default_group and comm.is_initialized():
+            comm.destroy()
 
 
 def _launched_world(tp: int, pp: int) -> tuple[int, int] | None:
     """``(world_size, rank)`` of the default group or the torchrun environment; ``None`` for a single process with
     ``tp = pp = 1``; a single process asked for more raises ``ValueError`` with the launch command."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
+    if comm.is_initialized():
+        return comm.world_size(), comm.rank()
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return _env_int("WORLD_SIZE"), _env_int("RANK")
     if tp == 1 and pp == 1:
@@ -229,13 +230,13 @@ def _join_default_group(
     backend: str | None, rank: int, world_size: int, local_rank: int, timeout: timedelta
 ) -> tuple[bool, str, torch.device]:
     """Initialise the default group unless it already is; returns (created it, its backend, this rank's device)."""
-    owns = not dist.is_initialized()
+    owns = not comm.is_initialized()
     if owns:
         backend = backend or default_backend()
         if "nccl" in backend:
             torch.cuda.set_device(local_rank)  # before the group, so NCCL binds this rank's GPU
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-    backend = str(dist.get_backend())  # subgroups inherit the default group's backend
+        comm.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    backend = comm.backend_name()  # subgroups inherit the default group's backend
     if "nccl" in backend:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -253,7 +254,7 @@ def _new_groups(groups: tuple[tuple[int, ...], ...], rank: int, timeout: timedel
     for ranks in groups:
         if len(ranks) == 1:
             continue
-        g = dist.new_group(list(ranks), timeout=timeout)
+        g = comm.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine = g
     return mine

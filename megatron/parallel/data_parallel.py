@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from zb_pipeline import comm
 from zb_pipeline.runtime.deferrable_linear import register_grad_accumulated_hook
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class DataParallelReducer:
         params: torch.nn.Module | Iterable[torch.nn.Parameter] | Iterable[tuple[str, torch.nn.Parameter]],
         ctx: ParallelContext | None = None,
         *,
-        dp_group: dist.ProcessGroup | None = None,
+        dp_group: comm.ProcessGroup | None = None,
         dp_size: int | None = None,
         dp_rank: int | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -111,7 +111,7 @@ class DataParallelReducer:
         self.dp_group = dp_group
         self.dp_size = 1 if dp_size is None else int(dp_size)
         self.dp_rank = 0 if dp_rank is None else int(dp_rank)
-        if self.dp_size > 1 and dp_group is None and not (dist.is_available() and dist.is_initialized()):
+        if self.dp_size > 1 and dp_group is None and not comm.is_initialized():
             raise ValueError(f"dp_size={self.dp_size} needs a data-parallel process group (pass ctx or dp_group)")
         self.reduce_op = reduce_op
 
@@ -193,7 +193,7 @@ class DataParallelReducer:
         step's gradients stay until it is validated, which zeroes them (``MainParamOptimizer.zero_grad``)."""
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
+                comm.wait(b.work, group=self.dp_group)
             b.work = None
             b.launched = False
         self._ready.clear()
@@ -246,7 +246,7 @@ class DataParallelReducer:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
-                b.work.wait()
+                comm.wait(b.work, group=self.dp_group)
                 b.work = None
         self._in_microbatch = False
         self._is_last = False
@@ -307,10 +307,10 @@ class DataParallelReducer:
             return
         bucket.data.mul_(1.0 / self.dp_size)  # mean over dp; exact for powers of two
         if self.reduce_op == "all_reduce":
-            bucket.work = dist.all_reduce(bucket.data, group=self.dp_group, async_op=True)
+            bucket.work = comm.all_reduce(bucket.data, group=self.dp_group, async_op=True)
         else:
-            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            bucket.work = reduce_scatter(bucket.shard(self.dp_rank), bucket.data, group=self.dp_group, async_op=True)
+            shard = bucket.shard(self.dp_rank)
+            bucket.work = comm.reduce_scatter_tensor(shard, bucket.data, group=self.dp_group, async_op=True)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters: autograd hooks removed, deferrable-function hooks turned into no-ops."""

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron.config.errors import ConfigError
 from megatron.model.config import GPTConfig
@@ -36,6 +35,7 @@ from megatron.model.gpt import WORD_EMBEDDING, GPTStage, build_gpt_stages
 from megatron.parallel.context import ParallelContext
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
+from zb_pipeline import comm
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
@@ -173,7 +173,7 @@ class GPTPipeline:
         for loss in losses:
             total += loss.double()
         if self.ctx.pp_group is not None:
-            dist.all_reduce(total, group=self.ctx.pp_group)
+            comm.all_reduce(total, group=self.ctx.pp_group)
         return total
 
     def write_trace(self, path: str | None) -> None:
@@ -215,7 +215,7 @@ class GPTPipeline:
                     f"rank {self.ctx.rank} holds one tied-embedding copy but no embedding group; build the "
                     "ParallelContext with the schedule's chunks and placement"
                 )
-            dist.all_reduce(total, group=group)
+            comm.all_reduce(total, group=group)
         else:
             grads[1].copy_(total)
 

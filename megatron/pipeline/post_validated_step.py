@@ -59,7 +59,7 @@ class PostValidatedStep:
         self.runtime = pipe.runtime
         self.prologue_iterations = 0  # iterations that validated before their first forward (no overlap, no replay)
         self.validator = PostValidator(
-            optimizer, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, on_validated=self._on_validated
+            optimizer, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size, on_validated=self._on_validated, device=ctx.device
         )
         self.runtime.attach(self.validator)
         self.runtime.hooks.iteration_start.append(self._count_placement)

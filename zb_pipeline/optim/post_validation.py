@@ -42,13 +42,13 @@ training loop).  Nothing here imports ``megatron``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
+from zb_pipeline import comm
 from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.post_validation_pass import PV_BACK, PV_FORWARD
 
@@ -103,13 +103,21 @@ class GlobalStats:
     found_nonfinite: bool
 
 
-def local_state(stats: torch.Tensor | None, *, stepped: bool = False) -> torch.Tensor:
-    """The float64 ``[sum of squares, non-finite count, pending, stepped]`` a rank contributes (zeros: no pending
-    step; ``stepped``: the rank updated its weights optimistically)."""
+def local_state(
+    stats: torch.Tensor | None, *, stepped: bool = False, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The float64 ``[sum of squares, non-finite count, pending, stepped]`` a rank contributes (zeros on ``device``:
+    no pending step; ``stepped``: the rank updated its weights optimistically).
+
+    The state stays on the statistics' device (it travels over the pipeline group, whose device that is); the flags
+    are written by fill kernels, not copied from the host, so building it never waits for the device.
+    """
     if stats is None:
-        return torch.zeros(4, dtype=torch.float64)
-    flags = torch.tensor([1.0, 1.0 if stepped else 0.0], dtype=torch.float64)
-    return torch.cat([stats.detach().to(torch.float64).reshape(2).cpu(), flags])
+        return torch.zeros(4, dtype=torch.float64, device=device)
+    flags = torch.ones(2, dtype=torch.float64, device=stats.device)
+    if not stepped:
+        flags[1] = 0.0
+    return torch.cat([stats.detach().to(torch.float64).reshape(2), flags])
 
 
 def sum_in_rank_order(states: list[torch.Tensor]) -> torch.Tensor:
@@ -120,19 +128,21 @@ def sum_in_rank_order(states: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def global_stats(total: torch.Tensor) -> GlobalStats:
-    """Norm and inf/NaN flag from a reduced state (same rule as the synchronised optimizer)."""
-    sq, bad = float(total[0]), float(total[1])
+def global_stats(total: torch.Tensor | Sequence[float]) -> GlobalStats:
+    """Norm and inf/NaN flag from a reduced state (same rule as the synchronised optimizer); a tensor is read to
+    the host once."""
+    sq, bad = total[:2].tolist() if isinstance(total, torch.Tensor) else total[:2]
     nonfinite = bad > 0 or not math.isfinite(sq)
     return GlobalStats(norm=float("nan") if nonfinite else sq**0.5, found_nonfinite=nonfinite)
 
 
-def gather_in_rank_order(state: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum every pipeline rank's ``state`` in rank order (one all-gather): the synchronised reduction."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+def gather_in_rank_order(state: torch.Tensor, group: comm.ProcessGroup | None) -> torch.Tensor:
+    """Sum every pipeline rank's ``state`` in rank order (one all-gather, on the state's device): the synchronised
+    reduction."""
+    if group is None or not comm.is_initialized() or comm.world_size(group) == 1:
         return state.clone()
-    parts = [torch.empty_like(state) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, state.contiguous(), group=group)
+    parts = [torch.empty_like(state) for _ in range(comm.world_size(group))]
+    comm.all_gather(parts, state.contiguous(), group=group)
     return sum_in_rank_order(parts)
 
 
@@ -143,7 +153,7 @@ class SyncOutcome:
 
 
 @torch.no_grad()
-def synchronised_step(opt: PostValidatableOptimizer, lr: float, *, pp_group: dist.ProcessGroup | None) -> SyncOutcome:
+def synchronised_step(opt: PostValidatableOptimizer, lr: float, *, pp_group: comm.ProcessGroup | None) -> SyncOutcome:
     """The synchronised optimizer over the same protocol: reduce (ordered), then skip or clip and step."""
     local = local_state(opt.unscale_and_local_stats())
     stats = global_stats(gather_in_rank_order(local, pp_group))
@@ -181,13 +191,16 @@ class PostValidator:
     """One pipeline rank's post-validated optimizer step (module docstring).
 
     ``attach(runtime)`` wires the plan's ``SEND_PV``/``RECV_PV`` actions to it; ``on_validated(validation)`` is
-    called after each validation (the trainer logs it; tests record the parameters there).
+    called after each validation (the trainer logs it; tests record the parameters there).  ``device`` is the
+    pipeline group's (where the states travel).  Each step reads the statistics to the host twice: this rank's at
+    ``step`` (the local decision) and the total at validation.
     """
 
     optimizer: PostValidatableOptimizer
     pp_rank: int
     pp_size: int
     on_validated: Callable[[Validation], None] | None = None
+    device: torch.device | str = "cpu"
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     pending: Pending | None = None
     last: Validation | None = None
@@ -224,7 +237,7 @@ class PostValidator:
         return decision
 
     def own_state(self) -> torch.Tensor:
-        return self.pending.state if self.pending is not None else local_state(None)
+        return self.pending.state if self.pending is not None else local_state(None, device=self.device)
 
     # -- validation -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -232,7 +245,8 @@ class PostValidator:
         """Resolve the pending step against the fully reduced state; zero the gradients for the next iteration."""
         pend, self.pending = self.pending, None
         opt = self.optimizer
-        ranks_pending = int(total[2])
+        values = total.tolist()  # the one host read of the validated state
+        ranks_pending = int(values[2])
         if pend is None:
             if ranks_pending != 0:
                 raise RuntimeError(f"pipeline rank {self.pp_rank}: other ranks validate a step this rank never took")
@@ -243,7 +257,7 @@ class PostValidator:
                 f"pipeline rank {self.pp_rank}: only {ranks_pending} of {self.pp_size} pipeline ranks took a step "
                 "this iteration; every rank must call PostValidator.step once per iteration"
             )
-        stats = global_stats(total)
+        stats = global_stats(values)
         opt.update_loss_scale(stats.found_nonfinite)
         coeff = 1.0 if stats.found_nonfinite else opt.clip_coefficient(stats.norm)
         if pend.decision == STEPPED:
@@ -265,7 +279,7 @@ class PostValidator:
             outcome = "held_clip"
         opt.zero_grad()
         self.counts[outcome] += 1
-        stepped_somewhere = int(total[3]) > 0
+        stepped_somewhere = int(values[3]) > 0
         replay = stepped_somewhere if stats.found_nonfinite else coeff < 1.0
         result = Validation(outcome=outcome, stats=stats, skipped=stats.found_nonfinite, replay=replay)
         self.last = result
@@ -273,7 +287,7 @@ class PostValidator:
             self.on_validated(result)
         return result
 
-    def flush(self, group: dist.ProcessGroup | None) -> Validation | None:
+    def flush(self, group: comm.ProcessGroup | None) -> Validation | None:
         """Validate the pending step now, synchronously (end of run, before a checkpoint or an evaluation)."""
         return self.validate(gather_in_rank_order(self.own_state(), group))
 

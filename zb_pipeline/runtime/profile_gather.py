@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from zb_pipeline import comm
 from zb_pipeline.runtime.emulate import sleep_until
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.profile import STATISTICS, Profile
@@ -63,15 +63,15 @@ def local_summary(
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    return comm.is_initialized()
 
 
 def _exchange(rank: int, summary: dict[str, Any], group: Any) -> list[tuple[int, dict[str, Any]]]:
     """Every rank's ``(rank, summary)`` (collective on ``group`` when torch.distributed is up)."""
     if not _distributed():
         return [(rank, summary)]
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (rank, summary), group=group)
+    gathered: list[Any] = [None] * comm.world_size(group)
+    comm.all_gather_object(gathered, (rank, summary), group=group)
     return gathered
 
 
@@ -170,13 +170,13 @@ def _ping_pong(
         if first:
             if idle_s > 0:
                 sleep_until(t0 + idle_s)
-            dist.send(buf, peer, group=group)
-            dist.recv(buf, peer, group=group)
+            comm.send(buf, peer, group=group)
+            comm.recv(buf, peer, group=group)
         else:
-            dist.recv(buf, peer, group=group)
+            comm.recv(buf, peer, group=group)
             if idle_s > 0:
                 sleep_until(time.perf_counter() + idle_s)
-            dist.send(buf, peer, group=group)
+            comm.send(buf, peer, group=group)
         if buf.is_cuda:
             torch.cuda.synchronize(buf.device)
         if i >= warmup and first:
@@ -191,7 +191,7 @@ def measure_p2p_latency(
     group: Any = None,
     shape: Sequence[int] = (1,),
     dtype: Any = None,
-    device: Any = "cpu",
+    device: Any = None,
     repeats: int = 20,
     warmup: int = 3,
     idle_s: float = 0.0,
@@ -205,7 +205,7 @@ def measure_p2p_latency(
     rank blocked that long; ``idle_s`` is subtracted twice from the round trip.  On a machine whose idle cores
     wake slowly (virtual machines) this is several times the back-to-back figure of ``idle_s = 0``.
     """
-    buf = torch.zeros(tuple(shape), dtype=dtype or torch.float32, device=device)
+    buf = torch.zeros(tuple(shape), dtype=dtype or torch.float32, device=device or comm.device_of(group))
     mine: list[float] = []
     for pair in range(len(pp_ranks) - 1):
         if pp_rank not in (pair, pair + 1):
@@ -215,7 +215,7 @@ def measure_p2p_latency(
         rtts = _ping_pong(buf, first=first, peer=peer, group=group, repeats=repeats, warmup=warmup, idle_s=idle_s)
         if rtts:
             mine.append(statistics.median(rtts) / 2 * 1e3)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
+    gathered: list[Any] = [None] * comm.world_size(group)
+    comm.all_gather_object(gathered, mine, group=group)
     values = [v for vs in gathered for v in vs]
     return float(statistics.median(values)) if values else 0.0

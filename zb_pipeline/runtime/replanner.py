@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from zb_pipeline import comm
 from zb_pipeline.runtime.profiler import ActionProfiler
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
@@ -173,13 +173,13 @@ class WindowReplanner:
 
     def _agree(self, profile: Profile, limit: float | None) -> tuple[Profile, float | None]:
         """Every rank of the job must switch to the same plan (tensor- and data-parallel peers run their
-        collectives in plan order): take global rank ``broadcast_src``'s profile and the smallest memory limit."""
-        if self.broadcast_src is None or not (dist.is_available() and dist.is_initialized()):
+        collectives in plan order): take global rank ``broadcast_src``'s profile and the smallest memory limit
+        (reduced on the default group's device)."""
+        if self.broadcast_src is None or not comm.is_initialized():
             return profile, limit
         box: list[Any] = [profile.to_dict()]
-        dist.broadcast_object_list(box, src=self.broadcast_src)
+        comm.broadcast_object_list(box, src=self.broadcast_src)
         if limit is not None or self.mem_limit == "auto":
-            t = torch.tensor([math.inf if limit is None else limit], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN)
-            limit = None if math.isinf(float(t)) else float(t)
+            (least,) = comm.all_reduce_values([math.inf if limit is None else limit], op="min")
+            limit = None if math.isinf(least) else float(least)
         return Profile.from_dict(box[0]), limit

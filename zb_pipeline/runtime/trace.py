@@ -23,8 +23,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
-
+from zb_pipeline import comm
 from zb_pipeline.schedule.ir import Action
 from zb_pipeline.schedule.lowering import CommBatch
 
@@ -70,10 +69,10 @@ class Tracer:
             raw.clear()
         return self._events
 
-    def align(self, group: dist.ProcessGroup | None = None) -> None:
+    def align(self, group: comm.ProcessGroup | None = None) -> None:
         """Reset the clock's zero to the end of a barrier on ``group`` (no barrier without torch.distributed)."""
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=group)
+        if comm.is_initialized():
+            comm.barrier(group=group)
         self._t0 = time.perf_counter()
 
     def begin_iteration(self, iteration: int) -> None:
@@ -138,18 +137,17 @@ def merge_traces(per_rank: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any]
 
 
 def gather_trace(
-    tracer: Tracer, path: str | os.PathLike[str] | None, *, group: dist.ProcessGroup | None = None, dst: int = 0
+    tracer: Tracer, path: str | os.PathLike[str] | None, *, group: comm.ProcessGroup | None = None, dst: int = 0
 ) -> dict[str, Any] | None:
     """Collect every rank's events of ``group`` on global rank ``dst``, which writes ``path`` (if given).
 
     Returns the merged document on ``dst`` and ``None`` elsewhere.  Without torch.distributed, just this rank's.
     """
     mine = tracer.chrome_events()
-    if dist.is_available() and dist.is_initialized():
-        size = dist.get_world_size(group)
-        gathered: list[Any] = [None] * size
-        dist.all_gather_object(gathered, mine, group=group)
-        if dist.get_rank() != dst:
+    if comm.is_initialized():
+        gathered: list[Any] = [None] * comm.world_size(group)
+        comm.all_gather_object(gathered, mine, group=group)
+        if comm.rank() != dst:
             return None
     else:
         gathered = [mine]

@@ -12,9 +12,9 @@ do not depend on the tensor-parallel layout.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron.parallel.tensor_parallel.mappings import HasTensorParallel
+from zb_pipeline import comm
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -30,19 +30,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         logits_max = logits.amax(dim=-1)  # [...]
         if reduce:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.tp_group)
+            comm.all_reduce(logits_max, op="max", group=tp.tp_group)
         logits.sub_(logits_max.unsqueeze(-1))  # in place: logits is our own fp32 copy
 
         outside = (target < start) | (target >= start + local_v)  # [...]
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = logits.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         if reduce:
-            dist.all_reduce(target_logit, group=tp.tp_group)
+            comm.all_reduce(target_logit, group=tp.tp_group)
 
         exp = logits.exp_()  # [..., V/tp]
         sum_exp = exp.sum(dim=-1)  # [...]
         if reduce:
-            dist.all_reduce(sum_exp, group=tp.tp_group)
+            comm.all_reduce(sum_exp, group=tp.tp_group)
         loss = sum_exp.log() - target_logit  # [...]
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))

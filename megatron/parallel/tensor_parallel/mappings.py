@@ -15,7 +15,8 @@ Each function is a pair of collectives, one in forward and its adjoint in backwa
 Activations are laid out ``[s, b, h]`` so that sequence-parallel slices of dim 0 are contiguous.  The group comes
 from a ``tp`` object with ``tp_size``, ``tp_rank`` and ``tp_group`` attributes (``ParallelContext`` has them;
 ``TPContext`` is the minimal stand-alone one).  With ``tp_size == 1`` every function is the identity and no
-collective is issued, so no process group is needed.
+collective is issued, so no process group is needed.  Every collective goes through ``zb_pipeline.comm``, which
+refuses an activation that is not on the tensor-parallel group's device.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
+
+from zb_pipeline import comm
 
 
 class HasTensorParallel(Protocol):
@@ -49,7 +51,7 @@ class TPContext:
 # -- raw collectives (no autograd) ---------------------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, tp: HasTensorParallel) -> torch.Tensor:
     x = x.contiguous()
-    dist.all_reduce(x, group=tp.tp_group)
+    comm.all_reduce(x, group=tp.tp_group)
     return x
 
 
@@ -65,10 +67,10 @@ def all_gather_along(x: torch.Tensor, dim: int, tp: HasTensorParallel) -> torch.
     x = x.contiguous()
     if dim == 0:
         out = torch.empty((x.shape[0] * tp.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather_single(out, x, tp.tp_group)
+        comm.all_gather_into_tensor(out, x, group=tp.tp_group)
         return out
     parts = [torch.empty_like(x) for _ in range(tp.tp_size)]
-    dist.all_gather(parts, x, group=tp.tp_group)
+    comm.all_gather(parts, x, group=tp.tp_group)
     return torch.cat(parts, dim=dim)
 
 
@@ -77,22 +79,8 @@ def reduce_scatter_dim0(x: torch.Tensor, tp: HasTensorParallel) -> torch.Tensor:
     if x.shape[0] % tp.tp_size != 0:
         raise ValueError(f"sequence length {x.shape[0]} does not split over tp_size={tp.tp_size}")
     out = torch.empty((x.shape[0] // tp.tp_size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x, tp.tp_group)
+    comm.reduce_scatter_tensor(out, x, group=tp.tp_group)
     return out
-
-
-def _all_gather_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
-    if hasattr(dist, "all_gather_single"):
-        dist.all_gather_single(out, x, group=group)
-    else:  # older torch
-        dist.all_gather_into_tensor(out, x, group=group)
-
-
-def _reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group: Any) -> None:
-    if hasattr(dist, "reduce_scatter_single"):
-        dist.reduce_scatter_single(out, x, group=group)
-    else:  # older torch
-        dist.reduce_scatter_tensor(out, x, group=group)
 
 
 # -- autograd functions --------------------------------------------------------------------------------------------

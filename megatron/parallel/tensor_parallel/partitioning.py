@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron.parallel.tensor_parallel.mappings import HasTensorParallel
+from zb_pipeline import comm
 
 
 def set_tensor_parallel_attributes(param: torch.Tensor, *, partition_dim: int, stride: int = 1) -> None:
@@ -77,7 +77,7 @@ def allreduce_sequence_parallel_grads(params: Iterable[torch.Tensor], tp: HasTen
         by_dtype.setdefault(g.dtype, []).append(g)
     for group in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in group])
-        dist.all_reduce(flat, group=tp.tp_group)
+        comm.all_reduce(flat, group=tp.tp_group)
         offset = 0
         for g in group:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
