@@ -66,7 +66,7 @@ def rng_state(model: torch.nn.Module) -> dict[str, Any]:
     version, state, gauss = random.getstate()
     np_state = np.random.get_state()
     out: dict[str, Any] = {
-        "python": {"version": version, "state": torch.tensor(state, dtype=torch.int64), "gauss": gauss},
+        "python": {"version": version, "state": torch.tensor(state, dtype=torch.int64, device="cpu"), "gauss": gauss},
         "numpy": {
             "kind": np_state[0],
             "key": torch.from_numpy(np_state[1].astype(np.int64)),

@@ -246,7 +246,8 @@ class GPTDataset:
 
 
 def sample_dict(tokens: np.ndarray) -> dict:
-    """Megatron's GPT sample: tokens, labels (shifted by one), loss_mask (ones) and position_ids."""
+    """Megatron's GPT sample: tokens, labels (shifted by one), loss_mask (ones) and position_ids, in host memory
+    (``megatron.microbatches.load_microbatch`` moves the batch to the run's device)."""
     import torch
 
     t = torch.from_numpy(tokens)
@@ -254,6 +255,6 @@ def sample_dict(tokens: np.ndarray) -> dict:
     return {
         "tokens": t[:-1].clone(),
         "labels": t[1:].clone(),
-        "loss_mask": torch.ones(n, dtype=torch.float32),
-        "position_ids": torch.arange(n, dtype=torch.int64),
+        "loss_mask": torch.ones(n, dtype=torch.float32, device="cpu"),
+        "position_ids": torch.arange(n, dtype=torch.int64, device="cpu"),
     }

@@ -95,12 +95,14 @@ class MockGPTDataset:
         return self.chain.sample(self.seed, SPLITS.index(self.split), index, self.seq_length + 1)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """One sample in host memory, like every dataset here (``megatron.microbatches.load_microbatch`` moves the
+        collated batch to the run's device)."""
         toks = torch.from_numpy(self.tokens(index))
         return {
             "tokens": toks[:-1].clone(),
             "labels": toks[1:].clone(),
-            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
-            "position_ids": torch.arange(self.seq_length, dtype=torch.int64),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32, device="cpu"),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.int64, device="cpu"),
         }
 
 
