@@ -21,6 +21,7 @@ import ast
 import io
 import math
 import os
+import re
 import signal
 import time
 from datetime import timedelta
@@ -420,3 +421,28 @@ def test_pp2_dp2_distributed_optimizer_with_post_validation_slow() -> None:
     ]  # fmt: skip
     results = run_multiprocess(_checked_run, 4, args=(argv, None), timeout_s=300)
     _check(results, reads_per_step=2, first_validation=1)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize(("gpus", "local_world", "local_rank", "message"), [
+    (2, "4", "0", "this node runs 4 processes and sees 2 GPU(s); launch with torchrun --nproc-per-node 2"),
+    (2, None, "3", "this node runs 4 processes and sees 2 GPU(s)"),
+    (0, "1", "0", "the nccl backend needs CUDA GPUs but this process sees none"),
+])  # fmt: skip
+def test_more_nccl_processes_than_gpus_is_one_line_before_any_rendezvous(
+    monkeypatch, gpus, local_world, local_rank, message
+) -> None:
+    from megatron.config.errors import ConfigError
+    from megatron.parallel.context import ParallelContext
+
+    for name, value in (("WORLD_SIZE", "4"), ("RANK", local_rank), ("LOCAL_RANK", local_rank)):
+        monkeypatch.setenv(name, value)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device before the check"))
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        ParallelContext.initialize(backend="nccl", timeout=timedelta(seconds=5))
+    assert "\n" not in str(err.value) and not comm.is_initialized()

@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 
+from megatron.config.errors import ConfigError
 from megatron.parallel.rank_math import RankLayout
 from zb_pipeline import comm
 
@@ -234,6 +235,7 @@ def _join_default_group(
     if owns:
         backend = backend or default_backend()
         if "nccl" in backend:
+            _check_gpus_for(local_rank)
             torch.cuda.set_device(local_rank)  # before the group, so NCCL binds this rank's GPU
         comm.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     backend = comm.backend_name()  # subgroups inherit the default group's backend
@@ -243,6 +245,20 @@ def _join_default_group(
     else:
         device = torch.device("cpu")
     return owns, backend, device
+
+
+def _check_gpus_for(local_rank: int) -> None:
+    """NCCL gives each process of a node its own GPU: more processes than visible GPUs is bad input, refused with
+    one line before any rendezvous (``LOCAL_WORLD_SIZE`` is the same on every rank of a node, so they all refuse)."""
+    gpus = torch.cuda.device_count()
+    per_node = max(_env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else 0, local_rank + 1)
+    if gpus == 0:
+        raise ConfigError("the nccl backend needs CUDA GPUs but this process sees none; check CUDA_VISIBLE_DEVICES")
+    if per_node > gpus:
+        raise ConfigError(
+            f"NCCL needs one GPU per process, but this node runs {per_node} processes and sees {gpus} GPU(s); "
+            f"launch with torchrun --nproc-per-node {gpus} (or fewer), or check CUDA_VISIBLE_DEVICES"
+        )
 
 
 def _new_groups(groups: tuple[tuple[int, ...], ...], rank: int, timeout: timedelta) -> ProcessGroup | None:
