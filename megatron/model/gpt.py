@@ -78,6 +78,7 @@ class GPTStage(torch.nn.Module):
         )
         self.final_layernorm = None
         self.output_layer = None
+        self.cross_entropy_kernel = None  # a fused vocab-parallel cross-entropy (megatron.kernels.select); None: torch
         self.shares_embedding_in_stage = post_process and pre_process and config.tied_embeddings
         if post_process:
             self.final_layernorm = build_norm(
@@ -132,7 +133,9 @@ class GPTStage(torch.nn.Module):
         logits = self.output_layer(x, weight)  # [s, b, V/tp]
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp, vocab_size=self.config.vocab_size)
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.tp, vocab_size=self.config.vocab_size, kernel=self.cross_entropy_kernel
+        )
         return loss.t()  # [b, s]
 
 

@@ -2,9 +2,15 @@
 
 For SwiGLU, ``linear_fc1`` is one fused projection whose full output is ``[gate (ffn) ; up (ffn)]``; it is split
 with partition stride 2 so each tensor-parallel rank holds the matching rows of both halves.
+
+``activation_kernel`` (``None``: torch) is a fused bias + activation (``megatron.kernels.activations``, set by
+``megatron.kernels.select``): ``linear_fc1`` then leaves its bias out and the kernel adds it, with the bias gradient
+deferred to W through ``linear_fc1``'s weight-gradient store.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +35,15 @@ class MLP(torch.nn.Module):
         self.linear_fc2 = RowParallelLinear(
             ffn, config.hidden_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
         )
+        # activation_kernel(y, bias, store=...) -> act(y + bias); None: torch
+        self.activation_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
+        if self.activation_kernel is not None:
+            fc1 = self.linear_fc1
+            y = fc1(x, add_bias=False)  # [s, b, ffn/tp] (x2 with SwiGLU), bias not yet added
+            y = self.activation_kernel(y, fc1.bias, store=fc1.weight_grad_store)  # [s, b, ffn/tp]
+            return self.linear_fc2(y)
         y = self.linear_fc1(x)  # [s, b, ffn/tp] (x2 with SwiGLU)
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)

@@ -1,15 +1,22 @@
 """LayerNorm and RMSNorm over the last (hidden) dimension.
 
-Norm weights stay on autograd's immediate path (their backward produces the input gradient and the weight gradient in
-one kernel, so deferring them would cost a second pass); they are a tiny share of backward time.  Under sequence
-parallelism each rank normalises its own sequence slice, so the weights are tagged ``sequence_parallel`` and their
-gradients are summed over the tensor-parallel group before the optimizer step.
+The torch path (``kernel`` is ``None``) keeps the norm weights on autograd's immediate path: torch's backward produces
+the input gradient and the weight gradient together, and they are a tiny share of backward time.  A fused kernel
+(``megatron.kernels.norms``, set by ``megatron.kernels.select``, the only place that chooses) splits the backward:
+the input gradient in B and, when ``defer_weight_grad`` is set, the weight/bias gradients as W work in the
+``WeightGradStore`` bound like a deferrable linear's (``weight_grad_store``; the torch path never reads it).  Under
+sequence parallelism each rank normalises its own sequence slice, so the weights are tagged ``sequence_parallel``
+and their gradients are summed over the tensor-parallel group before the optimizer step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 
 
 class LayerNorm(torch.nn.Module):
@@ -19,8 +26,15 @@ class LayerNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))  # [h]
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size))  # [h]
         self.weight.sequence_parallel = self.bias.sequence_parallel = sequence_parallel
+        # kernel(x, weight, bias, eps, store=..., defer=...) -> y; None: torch
+        self.kernel: Callable[..., torch.Tensor] | None = None
+        self.weight_grad_store: WeightGradStore | None = None
+        self.defer_weight_grad = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., h]
+        if self.kernel is not None:
+            store, defer = self.weight_grad_store, self.defer_weight_grad
+            return self.kernel(x, self.weight, self.bias, self.eps, store=store, defer=defer)
         return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -35,8 +49,15 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))  # [h]
         self.weight.sequence_parallel = sequence_parallel
+        # kernel(x, weight, eps, store=..., defer=...) -> y; None: torch
+        self.kernel: Callable[..., torch.Tensor] | None = None
+        self.weight_grad_store: WeightGradStore | None = None
+        self.defer_weight_grad = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., h] -> [..., h]
+        if self.kernel is not None:
+            store, defer = self.weight_grad_store, self.defer_weight_grad
+            return self.kernel(x, self.weight, self.eps, store=store, defer=defer)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:

@@ -13,6 +13,12 @@ Because B and W run exactly the same kernels as the immediate path on the same t
 gradients to a full backward.  Accumulation into an fp32 ``main_grad`` is ``addmm_`` in place when the activations
 are fp32 (no temporary) and one layer-sized temporary otherwise.
 
+``wgrad_fn`` (an argument of ``deferrable_linear``, an attribute of ``DeferrableLinear``; ``None`` by default) lets the
+user of this library supply the weight-gradient computation: when the weight has a ``main_grad``, W calls
+``wgrad_fn(main_grad, grad_y2d, x2d)``, which must add ``grad_y2d^T @ x2d`` into ``main_grad`` in place (e.g. a fused
+kernel accumulating half-precision activations in fp32 without a temporary).  Without a ``main_grad`` the torch path
+runs.  This library ships no such kernel; the trainer's is ``megatron.kernels.weight_grad``.
+
 Parameters whose gradient this module may accumulate itself carry ``param.zb_deferrable = True`` so that other
 machinery (the generic split, reducers) knows not to expect it from autograd.  Code that must know when a
 gradient contribution has landed (a data-parallel reducer launching a bucket) registers
@@ -29,6 +35,9 @@ import torch.nn.functional as F
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 
 _HOOKS_ATTR = "_zb_grad_accumulated_hooks"
+
+# wgrad_fn(main_grad [out, in], grad_y2d [N, out], x2d [N, in]): main_grad += grad_y2d^T @ x2d, in place.
+WeightGradFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def mark_deferrable(param: torch.nn.Parameter) -> torch.nn.Parameter:
@@ -65,10 +74,15 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     _notify(param)
 
 
-def _accumulate_weight_grad(weight: torch.Tensor, grad_y2d: torch.Tensor, x2d: torch.Tensor) -> None:
-    """``weight`` grad += grad_y^T @ x, fused into ``main_grad`` when the dtypes allow."""
+def _accumulate_weight_grad(
+    weight: torch.Tensor, grad_y2d: torch.Tensor, x2d: torch.Tensor, wgrad_fn: WeightGradFn | None = None
+) -> None:
+    """``weight`` grad += grad_y^T @ x, fused into ``main_grad`` by ``wgrad_fn`` or when the dtypes allow."""
     main = getattr(weight, "main_grad", None)
-    if main is not None and main.dtype == grad_y2d.dtype == x2d.dtype:
+    if main is not None and wgrad_fn is not None:
+        wgrad_fn(main, grad_y2d, x2d)
+        _notify(weight)
+    elif main is not None and main.dtype == grad_y2d.dtype == x2d.dtype:
         main.addmm_(grad_y2d.t(), x2d)
         _notify(weight)
     else:
@@ -81,9 +95,9 @@ def _weight_grad_goes_to_autograd(store: WeightGradStore | None, weight: torch.T
 
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, store):  # x: [..., in], weight: [out, in], bias: [out] | None
+    def forward(ctx, x, weight, bias, store, wgrad_fn):  # x: [..., in], weight: [out, in], bias: [out] | None
         ctx.save_for_backward(x, weight)
-        ctx.store = store
+        ctx.store, ctx.wgrad_fn = store, wgrad_fn
         ctx.bias_ref = bias  # only the target of accumulation, never read by the math
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)  # [..., out]
@@ -99,17 +113,17 @@ class _DeferrableLinear(torch.autograd.Function):
         )
         grad_x = grad_y.matmul(weight) if need_x else None  # [..., in]
         if not (need_w or need_b):
-            return grad_x, None, None, None
+            return grad_x, None, None, None, None
         grad_y2d = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
         if _weight_grad_goes_to_autograd(store, weight):
             grad_w = grad_y2d.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
             grad_b = grad_y2d.sum(0) if need_b else None
-            return grad_x, grad_w, grad_b, None
-        bias = ctx.bias_ref
+            return grad_x, grad_w, grad_b, None, None
+        bias, wgrad_fn = ctx.bias_ref, ctx.wgrad_fn
 
         def weight_grad_work() -> None:
             if need_w:
-                _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]))
+                _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]), wgrad_fn)
             if need_b:
                 accumulate_grad(bias, grad_y2d.sum(0))
 
@@ -117,7 +131,7 @@ class _DeferrableLinear(torch.autograd.Function):
             weight_grad_work()
         else:
             store.submit(weight_grad_work)
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 def deferrable_linear(
@@ -125,9 +139,12 @@ def deferrable_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     store: WeightGradStore | None = None,
+    *,
+    wgrad_fn: WeightGradFn | None = None,
 ) -> torch.Tensor:
-    """``y = x @ weight^T + bias`` whose weight/bias gradients may be deferred to W (see module docstring)."""
-    return _DeferrableLinear.apply(x, weight, bias, store)
+    """``y = x @ weight^T + bias`` whose weight/bias gradients may be deferred to W (see module docstring);
+    ``wgrad_fn`` computes the weight gradient into ``main_grad`` when the weight has one."""
+    return _DeferrableLinear.apply(x, weight, bias, store, wgrad_fn)
 
 
 class _DeferrableBiasAdd(torch.autograd.Function):
@@ -241,10 +258,11 @@ class DeferrableLinear(torch.nn.Module):
             mark_deferrable(torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))) if bias else None
         )
         self.weight_grad_store: WeightGradStore | None = None
+        self.wgrad_fn: WeightGradFn | None = None
         torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
-        return deferrable_linear(x, self.weight, self.bias, self.weight_grad_store)
+        return deferrable_linear(x, self.weight, self.bias, self.weight_grad_store, wgrad_fn=self.wgrad_fn)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -8,6 +8,9 @@ parameter's global name, so a shard equals the slice of the full tensor whatever
 Sequence parallelism: a column-parallel layer all-gathers its ``[s/tp, b, h]`` input; the gathered tensor is what
 the linear saves for backward, so W reuses it and does not repeat the all-gather (W stays free of collectives, at the
 cost of holding the full-sequence input between B and W).  A row-parallel layer reduce-scatters its output.
+
+``wgrad_fn`` (``None``: torch) is the weight-gradient computation W uses when the weight has a ``main_grad``; the one
+place that sets it is ``megatron.kernels.select`` (the fused W kernel; off with ``--no-gradient-accumulation-fusion``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from megatron.parallel.tensor_parallel.mappings import (
 )
 from megatron.parallel.tensor_parallel.partitioning import set_tensor_parallel_attributes
 from zb_pipeline.runtime.deferrable_linear import (
+    WeightGradFn,
     deferrable_bias_add,
     deferrable_embedding,
     deferrable_linear,
@@ -76,15 +80,18 @@ class ColumnParallelLinear(torch.nn.Module):
         if self.bias is not None:
             set_tensor_parallel_attributes(self.bias, partition_dim=0, stride=partition_stride)
         self.weight_grad_store: WeightGradStore | None = None
+        self.wgrad_fn: WeightGradFn | None = None
 
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """``weight`` overrides ``self.weight`` (the tied output head passes the word embedding)."""
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, *, add_bias: bool = True) -> torch.Tensor:
+        """``weight`` overrides ``self.weight`` (the tied output head passes the word embedding); ``add_bias=False``
+        leaves the bias to the caller (a fused bias + activation)."""
         if self.sequence_parallel:
             x = gather_from_sequence_parallel(x, self.tp)  # [s/tp, b, in] -> [s, b, in]
         else:
             x = copy_to_tp(x, self.tp)  # [s, b, in]
         w = self.weight if weight is None else weight
-        y = deferrable_linear(x, w, self.bias, self.weight_grad_store)  # [s, b, out/tp]
+        bias = self.bias if add_bias else None
+        y = deferrable_linear(x, w, bias, self.weight_grad_store, wgrad_fn=self.wgrad_fn)  # [s, b, out/tp]
         if self.gather_output:
             y = gather_from_tp(y, self.tp)  # [s, b, out]
         return y
@@ -124,9 +131,12 @@ class RowParallelLinear(torch.nn.Module):
         if self.bias is not None and sequence_parallel:
             self.bias.sequence_parallel = True
         self.weight_grad_store: WeightGradStore | None = None
+        self.wgrad_fn: WeightGradFn | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, in/tp]
-        y = deferrable_linear(x, self.weight, None, self.weight_grad_store)  # partial [s, b, out]
+        y = deferrable_linear(
+            x, self.weight, None, self.weight_grad_store, wgrad_fn=self.wgrad_fn
+        )  # partial [s, b, out]
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.tp)  # [s/tp, b, out]
         else:
