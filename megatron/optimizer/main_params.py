@@ -252,7 +252,9 @@ class MainParamOptimizer:
                 "main": flat_main.float().clone(),
             }
             for key in rule.state_keys:
-                piece[key] = st[key].reshape(-1).clone() if st is not None else torch.zeros(s.hi - s.lo)
+                piece[key] = (
+                    st[key].reshape(-1).clone() if st is not None else torch.zeros(s.hi - s.lo, device=s.main.device)
+                )
             pieces[s.name] = piece
         return {"step": rule.step_count, "pieces": pieces}
 

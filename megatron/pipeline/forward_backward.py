@@ -298,7 +298,9 @@ def build_gpt_pipeline(
             costs_ms = EmulatedCosts.parse(schedule_config.emulate_compute)
         except ValueError as err:
             raise ConfigError(str(err)) from None
-        emulator = runtime.attach(EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs))
+        emulator = runtime.attach(
+            EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs, device=ctx.device)
+        )
     if tracer is not None:
         tracer.align(ctx.pp_group)
     model = PipelineModel([stages[s] for s in sorted(stages)])

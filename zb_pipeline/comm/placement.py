@@ -26,7 +26,7 @@ __all__ = ["CommDeviceError", "GroupPlacement", "check_devices", "device_of", "p
 
 # Backend name -> the device type its tensors must be on.  A mixed backend ("cpu:gloo,cuda:nccl") counts as NCCL:
 # the layer hands it device tensors.
-_DEVICE_TYPE = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cuda", "xccl": "xpu"}
+_DEVICE_TYPE = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "xccl": "xpu"}
 
 
 class CommDeviceError(RuntimeError):

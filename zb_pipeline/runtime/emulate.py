@@ -77,14 +77,22 @@ def sleep_until(deadline: float) -> None:
 class EmulatedCompute:
     """F/B/W/BW handlers that sleep (see the module docstring); one instance per executor."""
 
-    def __init__(self, costs: EmulatedCosts, *, chunks: int, boundary_specs: Sequence[TensorSpec]) -> None:
+    def __init__(
+        self,
+        costs: EmulatedCosts,
+        *,
+        chunks: int,
+        boundary_specs: Sequence[TensorSpec],
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """``device``: the P2P layer's (the hand-off buffers it sends live there)."""
         if chunks < 1:
             raise ValueError(f"{chunks=} must be >= 1")
         self.costs = costs
         self.f_s = costs.f_ms / 1e3 / chunks
         self.b_s = costs.b_ms / 1e3 / chunks
         self.w_s = costs.w_ms / 1e3 / chunks
-        self.buffers = [torch.zeros(spec.shape, dtype=spec.dtype) for spec in boundary_specs]
+        self.buffers = [torch.zeros(spec.shape, dtype=spec.dtype, device=device) for spec in boundary_specs]
         self.deadline = 0.0
 
     def attach(self, target: Any) -> None:
