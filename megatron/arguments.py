@@ -22,6 +22,7 @@ from typing import Any
 from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import MOCK_DATA_VOCAB_SIZE, NO_DATA_MESSAGE, DataConfig
 from megatron.config.errors import ConfigError, require
+from megatron.config.kernels import KernelConfig
 from megatron.config.logging_config import LoggingConfig
 from megatron.config.lr_schedule import LRScheduleConfig
 from megatron.config.model_sizes import load_model_config
@@ -30,6 +31,7 @@ from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
+from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
@@ -55,6 +57,7 @@ class RunConfig:
     ignored_flags: tuple[str, ...] = ()
     pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)  # the pipeline schedule (used when pp > 1)
     pipeline_layout: PipelineLayout | None = None  # pp > 1: the plan and each virtual stage's layers
+    kernels: KernelSelection = field(default_factory=KernelSelection)  # torch or Triton, per fused op
 
     @property
     def padded_vocab_size(self) -> int:
@@ -231,6 +234,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     model = model_config_from_flags(v, parallel.tp_size)
     if parallel.sequence_parallel:
         model.check_sequence_parallel(parallel.tp_size)
+    kernels = resolve_kernels(KernelConfig.from_flags(v), model)  # --kernels triton it cannot serve: exit 2 here
     training = _training_config(v)
     num_microbatches = training.num_microbatches(dp)
     lr_schedule, optimizer, precision = _optimizer_configs(v)
@@ -264,4 +268,5 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         ignored_flags=ignored,
         pipeline=pipeline,
         pipeline_layout=layout,
+        kernels=kernels,
     )

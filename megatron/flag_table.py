@@ -18,6 +18,7 @@ from typing import Any
 
 from megatron.config.data import MOCK_DATA_VOCAB_SIZE
 from megatron.config.errors import ConfigError
+from megatron.config.kernels import KERNEL_BACKENDS
 from megatron.config.lr_schedule import LR_DECAY_STYLES
 from megatron.config.model_sizes import available_sizes
 from megatron.model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
@@ -32,13 +33,9 @@ KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--use-flash-attn": (False, "attention always goes through scaled_dot_product_attention"),
     "--no-masked-softmax-fusion": (False, "no fused kernels; softmax is inside scaled_dot_product_attention"),
     "--masked-softmax-fusion": (False, "no fused kernels; softmax is inside scaled_dot_product_attention"),
-    "--no-bias-gelu-fusion": (False, "no fused bias-gelu kernel"),
-    "--bias-gelu-fusion": (False, "no fused bias-gelu kernel"),
-    "--no-bias-swiglu-fusion": (False, "no fused bias-swiglu kernel"),
     "--no-bias-dropout-fusion": (False, "no fused bias-dropout kernel"),
     "--no-rope-fusion": (False, "no fused rope kernel"),
     "--no-persist-layer-norm": (False, "no persistent layer-norm kernel"),
-    "--no-gradient-accumulation-fusion": (False, "weight gradients always accumulate into fp32 main_grad"),
     "--attention-softmax-in-fp32": (False, "scaled_dot_product_attention chooses its own softmax precision"),
     "--apply-query-key-layer-scaling": (False, "attention is scaled by 1/sqrt(head dim) only"),
     "--accumulate-allreduce-grads-in-fp32": (False, "gradients are always reduced in fp32 main-gradient buffers"),
@@ -154,6 +151,7 @@ def build_parser() -> tuple[OneLineParser, FlagTable]:
     _data_flags(table)
     _checkpoint_flags(table)
     _precision_flags(table)
+    _kernel_flags(table)
     _logging_flags(table)
     g = parser.add_argument_group("pipeline schedule (megatron.pipeline.schedule_flags: flags and fork-flag mapping)")
     for flag, spec in schedule_flag_specs():
@@ -341,6 +339,54 @@ def _precision_flags(t: FlagTable) -> None:
         "--use-distributed-optimizer",
         switch=True,
         help="shard main params and optimizer states over dp (ZeRO-1)",
+    )
+
+
+def _kernel_flags(t: FlagTable) -> None:
+    g = t.parser.add_argument_group("fused kernels (megatron.kernels; --kernels triton needs the [kernels] extra)")
+    t.add(
+        g,
+        "--kernels",
+        default="auto",
+        choices=KERNEL_BACKENDS,
+        help="fused ops: auto = Triton on CUDA, torch elsewhere; triton without CUDA runs Triton's interpreter (tests)",
+    )
+    t.add(
+        g,
+        "--no-gradient-accumulation-fusion",
+        switch=True,
+        store_false=True,
+        dest="gradient_accumulation_fusion",
+        help="Triton: W with torch's GEMM (a half-precision temporary) instead of the fp32-accumulating W kernel",
+    )
+    t.add(
+        g,
+        "--no-bias-gelu-fusion",
+        switch=True,
+        store_false=True,
+        dest="bias_gelu_fusion",
+        help="Triton: bias add and GeLU with torch instead of the fused kernel",
+    )
+    g.add_argument(  # Megatron's older spelling of the default
+        "--bias-gelu-fusion",
+        dest="bias_gelu_fusion",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="the default",
+    )
+    t.add(
+        g,
+        "--no-bias-swiglu-fusion",
+        switch=True,
+        store_false=True,
+        dest="bias_swiglu_fusion",
+        help="Triton: bias add and SwiGLU with torch instead of the fused kernel",
+    )
+    t.add(
+        g,
+        "--cross-entropy-loss-fusion",
+        switch=True,
+        help="Triton: the vocabulary-chunked cross-entropy kernel (never an fp32 [tokens, vocab] softmax)",
     )
 
 

@@ -157,6 +157,7 @@ def _startup_summary(tr: Trainer, logger: TrainingLogger, flops_per_iter: float)
             "model FLOPs per iteration": f"{flops_per_iter:.3e}",
             "precision": run.precision.name
             + (", distributed optimizer" if run.optimizer.use_distributed_optimizer else ""),
+            "kernels": run.kernels.describe(),
             **pipeline_summary(run, tr.pipeline),
             **_post_validation_summary(tr),
         },

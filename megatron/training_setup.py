@@ -14,6 +14,7 @@ import torch
 from megatron.arguments import RunConfig
 from megatron.config.errors import ConfigError
 from megatron.data.mock_data import MockGPTDataset
+from megatron.kernels.select import apply_kernels
 from megatron.model import build_gpt_model
 from megatron.optimizer import DistributedOptimizer, LRScheduler, MainParamOptimizer
 from megatron.parallel.context import ParallelContext
@@ -98,6 +99,7 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
     else:
         model = build_gpt_model(model_config, tp=ctx, sequence_parallel=run.parallel.sequence_parallel, seed=seed)
         model = model.to(device=ctx.device, dtype=run.precision.params_dtype)
+    apply_kernels(model, run.kernels)  # --kernels: the fused ops' hooks (nothing for torch)
     optimizer = build_optimizer(run, ctx, model)
     reducer = optimizer.reducer
     post_validation = None

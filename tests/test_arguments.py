@@ -121,7 +121,7 @@ def test_ignored_flags_warn_once_each_and_unknown_flags_fail():
     assert run.ignored_flags == ("--use-mcore-models", "--transformer-impl", "--no-masked-softmax-fusion")
     warnings = run.ignored_flag_warnings()
     assert len(warnings) == 3 and all(w.startswith("warning: --") and "\n" not in w for w in warnings)
-    assert {"--overlap-grad-reduce", "--no-bias-gelu-fusion", "--use-flash-attn"} <= set(KNOWN_IGNORED_FLAGS)
+    assert {"--overlap-grad-reduce", "--no-rope-fusion", "--use-flash-attn"} <= set(KNOWN_IGNORED_FLAGS)
     with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
         parse_run_config([*TINY, "--no-such-flag"])
     with pytest.raises(ConfigError, match="unrecognized"):  # no abbreviations, as in Megatron

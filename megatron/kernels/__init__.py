@@ -1,0 +1,13 @@
+"""Fused operations: Triton kernels beside their torch references, chosen at one selection point.
+
+- ``select``: ``--kernels {auto,torch,triton}`` and Megatron's fusion flags -> ``KernelSelection`` (at flag parsing,
+  exit 2 on what cannot be served) -> ``apply_kernels(model, selection)`` sets the layers' kernel hooks;
+- ``triton_runtime``: importing Triton (its interpreter on a machine without CUDA) and the bf16 ``UPCAST`` switch;
+- ``weight_grad``: the W kernel, ``main_grad += grad_y^T @ x`` accumulated in fp32 in place;
+- ``norms``: LayerNorm / RMSNorm with the backward split into B (input gradient) and W (weight gradients);
+- ``activations``: bias + GeLU, bias + SwiGLU;
+- ``cross_entropy``: vocabulary-parallel cross-entropy, chunked over the vocabulary.
+
+The kernel modules import Triton when they are imported; only ``select.apply_kernels`` imports them, so a run on
+the torch path never needs Triton.  Docs: ``docs/gpu.md`` (Kernels).
+"""

@@ -1,0 +1,165 @@
+"""The one place that chooses between torch and the fused Triton kernels (later also apex / Transformer Engine).
+
+``resolve_kernels(config, model, on_cuda=...)`` turns ``--kernels`` and the fusion flags into a ``KernelSelection``
+while the flags are parsed, so a request that cannot be served (``--kernels triton`` without Triton, a shape a kernel
+does not support) is a ``ConfigError`` -- one line, exit 2 -- before any process group exists.
+``apply_kernels(model, selection)`` then points the layers' kernel hooks at the chosen kernels:
+
+=============================  ==================================  ============================================
+layer hook                     kernel                              off with
+=============================  ==================================  ============================================
+linears' ``wgrad_fn``          ``weight_grad.accumulate_weight_grad``  ``--no-gradient-accumulation-fusion``
+norms' ``kernel``              ``norms.triton_layer_norm``/``rms``     (``--kernels torch``)
+``MLP.activation_kernel``      ``activations.triton_bias_gelu``/``swiglu``  ``--no-bias-gelu/swiglu-fusion``
+``GPTStage.cross_entropy_kernel``  ``cross_entropy.fused_...``      on only with ``--cross-entropy-loss-fusion``
+=============================  ==================================  ============================================
+
+Model files never import a kernel module; the torch path of every hook is the layer's own code, unchanged, so
+``--kernels torch`` (and ``auto`` without CUDA) is bit-identical to a build without this package.
+
+Norm weight gradients stay in B (``NORM_WEIGHT_GRAD_IN_W``, both ``False``).  The norm kernels can defer them to W
+(``defer_weight_grad``), but that holds each norm's input and output gradient (2 x ``[tokens, h]`` per norm, 4 per
+layer) from B until W, while a layer's W work otherwise holds less than its F did by only about one ``[tokens, h]``:
+a microbatch then holds more after B than after F, and ZB-H1, ZB-H2 and the V schedules exceed the peak they
+state.  ``tests/test_kernels_norm_memory.py`` measures the holdings of first, middle and last GPT stages (LayerNorm
+with GeLU, RMSNorm with SwiGLU) and simulates every registered schedule's peak with them: with the norms' weight
+gradients in B every stated bound holds; deferred, LayerNorm and RMSNorm both break ZB-H1's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron.config.errors import ConfigError
+from megatron.config.kernels import KernelConfig
+from megatron.kernels.triton_runtime import interpreter_problem, triton_importable
+from megatron.model.config import GPTConfig
+
+NORM_WEIGHT_GRAD_IN_W = {"LayerNorm": False, "RMSNorm": False}  # deferring breaks stated bounds (above)
+MAX_NORM_HIDDEN = 16384  # = megatron.kernels.norms.MAX_HIDDEN (one row per tile); kept here to check without Triton
+
+
+@dataclass(frozen=True)
+class KernelSelection:
+    """What runs each fused operation of one run, and why (``describe()`` is the start-up line)."""
+
+    backend: str = "torch"  # "torch" | "triton"
+    reason: str = "--kernels torch"
+    interpreted: bool = False  # Triton's interpreter (no CUDA)
+    weight_grad: bool = False
+    norms: bool = False
+    norm_kind: str = "LayerNorm"  # the model's --normalization
+    bias_gelu: bool = False
+    bias_swiglu: bool = False
+    cross_entropy: bool = False
+    torch_notes: tuple[str, ...] = ()  # operations left on torch with the backend Triton, each with its reason
+
+    def describe(self) -> str:
+        if self.backend == "torch":
+            return f"torch ({self.reason})"
+        mode = "Triton interpreter on CPU" if self.interpreted else "compiled for CUDA"
+        fused = [
+            name
+            for name, on in (
+                ("W kernel (fp32 into main_grad)", self.weight_grad),
+                (
+                    f"{self.norm_kind} (weight grads in {'W' if NORM_WEIGHT_GRAD_IN_W[self.norm_kind] else 'B'})",
+                    self.norms,
+                ),
+                ("bias-GeLU", self.bias_gelu),
+                ("bias-SwiGLU", self.bias_swiglu),
+                ("cross-entropy (vocab-chunked)", self.cross_entropy),
+            )
+            if on
+        ]
+        rest = f"; torch: {', '.join(self.torch_notes)}" if self.torch_notes else ""
+        return f"triton, {mode} ({self.reason}): {', '.join(fused) or 'nothing'}{rest}"
+
+
+def resolve_kernels(config: KernelConfig, model: GPTConfig, *, on_cuda: bool | None = None) -> KernelSelection:
+    """The selection for ``config`` on this machine (``on_cuda``: default ``torch.cuda.is_available()``)."""
+    on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    if config.kernels == "torch":
+        return KernelSelection(reason="--kernels torch")
+    if config.kernels == "auto" and not on_cuda:
+        return KernelSelection(reason="--kernels auto without CUDA; --kernels triton runs Triton's interpreter")
+    explicit = config.kernels == "triton"
+    if not triton_importable():
+        if explicit:
+            raise ConfigError(
+                "--kernels triton needs the triton package, which is not installed; "
+                'pip install "zb-megatron[kernels]" (or "triton>=3.1,<4"), or use --kernels torch'
+            )
+        return KernelSelection(reason="--kernels auto on CUDA, but triton is not installed")
+    problem = None if on_cuda else interpreter_problem()
+    if problem is not None:  # only --kernels triton reaches here without CUDA
+        raise ConfigError(f"--kernels triton without CUDA runs Triton's interpreter, but {problem}")
+    notes = []
+    norms = model.hidden_size <= MAX_NORM_HIDDEN
+    if not norms:
+        problem = (
+            f"the Triton {model.normalization} kernel normalises a row in one tile of at most {MAX_NORM_HIDDEN} "
+            f"columns, but --hidden-size is {model.hidden_size}"
+        )
+        if explicit:
+            raise ConfigError(f"--kernels triton: {problem}; use --kernels torch")
+        notes.append(f"{model.normalization} (hidden size {model.hidden_size} > {MAX_NORM_HIDDEN})")
+    gelu = not model.swiglu and config.bias_gelu_fusion
+    swiglu = model.swiglu and config.bias_swiglu_fusion
+    if not model.swiglu and not config.bias_gelu_fusion:
+        notes.append("GeLU (--no-bias-gelu-fusion)")
+    if model.swiglu and not config.bias_swiglu_fusion:
+        notes.append("SwiGLU (--no-bias-swiglu-fusion)")
+    if not config.gradient_accumulation_fusion:
+        notes.append("weight gradients (--no-gradient-accumulation-fusion)")
+    if not config.cross_entropy_loss_fusion:
+        notes.append("cross-entropy (no --cross-entropy-loss-fusion)")
+    return KernelSelection(
+        backend="triton",
+        reason="--kernels triton" if explicit else "--kernels auto on CUDA",
+        interpreted=not on_cuda,
+        weight_grad=config.gradient_accumulation_fusion,
+        norms=norms,
+        norm_kind=model.normalization,
+        bias_gelu=gelu,
+        bias_swiglu=swiglu,
+        cross_entropy=config.cross_entropy_loss_fusion,
+        torch_notes=tuple(notes),
+    )
+
+
+def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
+    """Point the kernel hooks of every layer in ``model`` at the selected kernels (nothing for torch).
+
+    Call it once, after building the model and before the first forward; the layers' weight-gradient stores may
+    already be bound (the norms read theirs at every forward)."""
+    if selection.backend != "triton":
+        return
+    from megatron.kernels.activations import triton_bias_gelu, triton_bias_swiglu
+    from megatron.kernels.cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.kernels.norms import triton_layer_norm, triton_rms_norm
+    from megatron.kernels.weight_grad import accumulate_weight_grad
+    from megatron.model.gpt import GPTStage
+    from megatron.model.mlp import MLP
+    from megatron.model.norms import LayerNorm, RMSNorm
+    from zb_pipeline.runtime.deferrable_linear import mark_deferrable
+
+    for module in model.modules():
+        if selection.weight_grad and hasattr(module, "wgrad_fn"):
+            module.wgrad_fn = accumulate_weight_grad
+        if selection.norms and isinstance(module, (LayerNorm, RMSNorm)):
+            kind = "LayerNorm" if isinstance(module, LayerNorm) else "RMSNorm"
+            module.kernel = triton_layer_norm if kind == "LayerNorm" else triton_rms_norm
+            module.defer_weight_grad = NORM_WEIGHT_GRAD_IN_W[kind]
+            if module.defer_weight_grad:
+                for p in module.parameters(recurse=False):
+                    mark_deferrable(p)
+        if isinstance(module, MLP):
+            if module.swiglu and selection.bias_swiglu:
+                module.activation_kernel = triton_bias_swiglu
+            elif not module.swiglu and selection.bias_gelu:
+                module.activation_kernel = triton_bias_gelu
+        if selection.cross_entropy and isinstance(module, GPTStage):
+            module.cross_entropy_kernel = fused_vocab_parallel_cross_entropy
