@@ -5,14 +5,12 @@ while the flags are parsed, so a request that cannot be served (``--kernels trit
 does not support) is a ``ConfigError`` -- one line, exit 2 -- before any process group exists.
 ``apply_kernels(model, selection)`` then points the layers' kernel hooks at the chosen kernels:
 
-=============================  ==================================  ============================================
-layer hook                     kernel                              off with
-=============================  ==================================  ============================================
-linears' ``wgrad_fn``          ``weight_grad.accumulate_weight_grad``  ``--no-gradient-accumulation-fusion``
-norms' ``kernel``              ``norms.triton_layer_norm``/``rms``     (``--kernels torch``)
-``MLP.activation_kernel``      ``activations.triton_bias_gelu``/``swiglu``  ``--no-bias-gelu/swiglu-fusion``
-``GPTStage.cross_entropy_kernel``  ``cross_entropy.fused_...``      on only with ``--cross-entropy-loss-fusion``
-=============================  ==================================  ============================================
+- the linears' ``wgrad_fn``: ``weight_grad.accumulate_weight_grad`` (off: ``--no-gradient-accumulation-fusion``);
+- the norms' ``kernel``: ``norms.triton_layer_norm`` / ``norms.triton_rms_norm``;
+- ``MLP.activation_kernel``: ``activations.triton_bias_gelu`` / ``triton_bias_swiglu`` (off:
+  ``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``);
+- ``GPTStage.cross_entropy_kernel``: ``cross_entropy.fused_vocab_parallel_cross_entropy`` (on:
+  ``--cross-entropy-loss-fusion``).
 
 Model files never import a kernel module; the torch path of every hook is the layer's own code, unchanged, so
 ``--kernels torch`` (and ``auto`` without CUDA) is bit-identical to a build without this package.
@@ -20,7 +18,7 @@ Model files never import a kernel module; the torch path of every hook is the la
 Norm weight gradients stay in B (``NORM_WEIGHT_GRAD_IN_W``, both ``False``).  The norm kernels can defer them to W
 (``defer_weight_grad``), but that holds each norm's input and output gradient (2 x ``[tokens, h]`` per norm, 4 per
 layer) from B until W, while a layer's W work otherwise holds less than its F did by only about one ``[tokens, h]``:
-a microbatch then holds more after B than after F, and ZB-H1, ZB-H2 and the V schedules exceed the peak they
+a microbatch then holds more after B than after F, and ZB-H1, ZB-H2 and ZB-auto exceed the peak they
 state.  ``tests/test_kernels_norm_memory.py`` measures the holdings of first, middle and last GPT stages (LayerNorm
 with GeLU, RMSNorm with SwiGLU) and simulates every registered schedule's peak with them: with the norms' weight
 gradients in B every stated bound holds; deferred, LayerNorm and RMSNorm both break ZB-H1's.
