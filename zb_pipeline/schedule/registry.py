@@ -22,6 +22,7 @@ from zb_pipeline.schedule.ir import Schedule, loop_placement, v_placement
 
 GeneratorFn = Callable[..., Schedule]
 
+BUILTIN_PACKAGE = "zb_pipeline.schedule.generators"
 # Modules under zb_pipeline/schedule/generators/ that register built-in schedules.
 _BUILTIN_MODULES: tuple[str, ...] = ("classic", "zero_bubble", "zb_auto", "v_shape", "interleaved_zb")
 
@@ -83,7 +84,7 @@ def _load_builtins() -> None:
         return
     _loaded = True
     for mod in _BUILTIN_MODULES:
-        importlib.import_module(f"zb_pipeline.schedule.generators.{mod}")
+        importlib.import_module(f"{BUILTIN_PACKAGE}.{mod}")
 
 
 def placement_of(name: str, num_ranks: int, chunks: int) -> tuple[int, ...]:
