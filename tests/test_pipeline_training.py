@@ -81,7 +81,7 @@ def test_zb_h1_pp2_dp2_bit_identical_to_pp1_dp2(tmp_path) -> None:
 
     argv = [*BASE, *UNTIED, "--global-batch-size", "16", "--clip-grad", "0"]
     ref = _reference(argv, 2)
-    trace = tmp_path / "trace.json"
+    trace = tmp_path / "runs" / "trace.json"  # --pipeline-trace creates the directory
     pp = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--pipeline-trace", str(trace)]
     got = _pipeline([*argv, *pp], 4)[0]
     assert got["losses"] == ref["losses"], (got, ref)

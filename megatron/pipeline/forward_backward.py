@@ -23,6 +23,7 @@ add when they share a rank as with V placement), so the two copies stay equal af
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +184,7 @@ class GPTPipeline:
             doc = gather_trace(self.tracer, None, group=self.ctx.pp_group, dst=dst)
             if doc is not None and path is not None:
                 doc[PLAN_KEY] = plan_to_dict(self.schedule)  # so `zb-schedule show --trace` can draw the plan too
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 with open(path, "w", encoding="utf-8") as f:
                     json.dump(doc, f)
 
