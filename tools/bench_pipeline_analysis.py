@@ -173,5 +173,3 @@ def speedup_ceiling(launch_profile: Profile, rows: list[dict], plans: dict[str, 
         own = Profile.from_dict(r["own_profile"]).to_stage_costs(stage_to_rank=place, overhead=True)
         out["split_end_ms"][r["schedule"]] = simulate(plan_from_dict(plans[r["schedule"]]), own).end_time
     return out
-
-
