@@ -234,7 +234,8 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     model = model_config_from_flags(v, parallel.tp_size)
     if parallel.sequence_parallel:
         model.check_sequence_parallel(parallel.tp_size)
-    kernels = resolve_kernels(KernelConfig.from_flags(v), model)  # --kernels triton it cannot serve: exit 2 here
+    # --kernels triton / --transformer-impl transformer_engine it cannot serve: exit 2 here
+    kernels = resolve_kernels(KernelConfig.from_flags(v), model, tp_size=parallel.tp_size)
     training = _training_config(v)
     num_microbatches = training.num_microbatches(dp)
     lr_schedule, optimizer, precision = _optimizer_configs(v)

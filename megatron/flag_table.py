@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron.config.data import MOCK_DATA_VOCAB_SIZE
 from megatron.config.errors import ConfigError
-from megatron.config.kernels import KERNEL_BACKENDS
+from megatron.config.kernels import KERNEL_BACKENDS, TRANSFORMER_IMPLS
 from megatron.config.lr_schedule import LR_DECAY_STYLES
 from megatron.config.model_sizes import available_sizes
 from megatron.model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
@@ -29,7 +29,6 @@ from megatron.pipeline.schedule_flags import schedule_flag_specs
 KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--use-mcore-models": (False, "there is one model implementation"),
     "--use-legacy-models": (False, "there is one model implementation"),
-    "--transformer-impl": (True, "there is one transformer implementation"),
     "--use-flash-attn": (False, "attention always goes through scaled_dot_product_attention"),
     "--no-masked-softmax-fusion": (False, "no fused kernels; softmax is inside scaled_dot_product_attention"),
     "--masked-softmax-fusion": (False, "no fused kernels; softmax is inside scaled_dot_product_attention"),
@@ -387,6 +386,13 @@ def _kernel_flags(t: FlagTable) -> None:
         "--cross-entropy-loss-fusion",
         switch=True,
         help="Triton: the vocabulary-chunked cross-entropy kernel (never an fp32 [tokens, vocab] softmax)",
+    )
+    t.add(
+        g,
+        "--transformer-impl",
+        default="local",
+        choices=TRANSFORMER_IMPLS,
+        help="transformer_engine: decoder layers from Transformer Engine >= 2.3 (CUDA, tp 1), W runs its backward_dw",
     )
 
 

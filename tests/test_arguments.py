@@ -117,8 +117,8 @@ def test_named_sizes_yaml_and_explicit_flag_precedence(tmp_path):
 
 
 def test_ignored_flags_warn_once_each_and_unknown_flags_fail():
-    run = parse_run_config([*TINY, "--use-mcore-models", "--transformer-impl", "local", "--no-masked-softmax-fusion"])
-    assert run.ignored_flags == ("--use-mcore-models", "--transformer-impl", "--no-masked-softmax-fusion")
+    run = parse_run_config([*TINY, "--use-mcore-models", "--distributed-backend", "nccl", "--no-masked-softmax-fusion"])
+    assert run.ignored_flags == ("--use-mcore-models", "--distributed-backend", "--no-masked-softmax-fusion")
     warnings = run.ignored_flag_warnings()
     assert len(warnings) == 3 and all(w.startswith("warning: --") and "\n" not in w for w in warnings)
     assert {"--overlap-grad-reduce", "--no-rope-fusion", "--use-flash-attn"} <= set(KNOWN_IGNORED_FLAGS)

@@ -6,8 +6,10 @@
 - ``weight_grad``: the W kernel, ``main_grad += grad_y^T @ x`` accumulated in fp32 in place;
 - ``norms``: LayerNorm / RMSNorm with the backward split into B (input gradient) and W (weight gradients);
 - ``activations``: bias + GeLU, bias + SwiGLU;
-- ``cross_entropy``: vocabulary-parallel cross-entropy, chunked over the vocabulary.
+- ``cross_entropy``: vocabulary-parallel cross-entropy, chunked over the vocabulary;
+- ``vendor``: is apex's fused weight-gradient extension / Transformer Engine (>= 2.3) installed (without importing);
+- ``apex_weight_grad``: the W kernel from apex; ``transformer_engine``: decoder layers from TE, W = ``backward_dw``.
 
 The kernel modules import Triton when they are imported; only ``select.apply_kernels`` imports them, so a run on
-the torch path never needs Triton.  Docs: ``docs/gpu.md`` (Kernels).
+the torch path never needs Triton (nor apex, nor TE).  Docs: ``docs/gpu.md`` (Kernels).
 """

@@ -1,4 +1,4 @@
-"""The one place that chooses between torch and the fused Triton kernels (later also apex / Transformer Engine).
+"""The one place that chooses between torch, the fused Triton kernels, apex and Transformer Engine.
 
 ``resolve_kernels(config, model, on_cuda=...)`` turns ``--kernels`` and the fusion flags into a ``KernelSelection``
 while the flags are parsed, so a request that cannot be served (``--kernels triton`` without Triton, a shape a kernel
@@ -11,6 +11,14 @@ does not support) is a ``ConfigError`` -- one line, exit 2 -- before any process
   ``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``);
 - ``GPTStage.cross_entropy_kernel``: ``cross_entropy.fused_vocab_parallel_cross_entropy`` (on:
   ``--cross-entropy-loss-fusion``).
+
+apex and Transformer Engine (``megatron.kernels.vendor`` detects them without importing; neither is a dependency):
+
+- the W kernel is apex's ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32`` (``apex_weight_grad``) with
+  ``--kernels auto`` on CUDA when that extension is installed (a cuBLAS GEMM with fp32 accumulation, in place);
+  ``--kernels triton`` keeps the Triton kernel, ``--no-gradient-accumulation-fusion`` and ``--kernels torch`` neither;
+- ``--transformer-impl transformer_engine`` replaces the decoder layers by Transformer Engine's (>= 2.3, CUDA,
+  tp = 1; ``transformer_engine``), whose delayed weight gradients run at W; without TE it is one line, exit 2.
 
 Model files never import a kernel module; the torch path of every hook is the layer's own code, unchanged, so
 ``--kernels torch`` (and ``auto`` without CUDA) is bit-identical to a build without this package.
@@ -26,13 +34,14 @@ gradients in B every stated bound holds; deferred, LayerNorm and RMSNorm both br
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron.config.errors import ConfigError
 from megatron.config.kernels import KernelConfig
 from megatron.kernels.triton_runtime import interpreter_problem, triton_importable
+from megatron.kernels.vendor import apex_weight_grad_available, transformer_engine_problem, transformer_engine_version
 from megatron.model.config import GPTConfig
 
 NORM_WEIGHT_GRAD_IN_W = {"LayerNorm": False, "RMSNorm": False}  # deferring breaks stated bounds (above)
@@ -53,15 +62,30 @@ class KernelSelection:
     bias_swiglu: bool = False
     cross_entropy: bool = False
     torch_notes: tuple[str, ...] = ()  # operations left on torch with the backend Triton, each with its reason
+    weight_grad_impl: str = "torch"  # "torch" | "triton" | "apex": who computes W's grad_y^T @ x into main_grad
+    transformer_impl: str = "local"  # "local" | "transformer_engine"
+    transformer_engine_version: str | None = None
 
     def describe(self) -> str:
+        return self._describe_fused() + self._describe_vendor()
+
+    def _describe_vendor(self) -> str:
+        parts = []
+        if self.weight_grad_impl == "apex":
+            parts.append("W kernel: apex wgrad_gemm_accum_fp32 (fp32 into main_grad)")
+        if self.transformer_impl == "transformer_engine":
+            te = f"Transformer Engine {self.transformer_engine_version}"
+            parts.append(f"layers: {te} (delay_wgrad_compute; W runs backward_dw)")
+        return "".join(f"; {p}" for p in parts)
+
+    def _describe_fused(self) -> str:
         if self.backend == "torch":
             return f"torch ({self.reason})"
         mode = "Triton interpreter on CPU" if self.interpreted else "compiled for CUDA"
         fused = [
             name
             for name, on in (
-                ("W kernel (fp32 into main_grad)", self.weight_grad),
+                ("W kernel (fp32 into main_grad)", self.weight_grad and self.weight_grad_impl == "triton"),
                 (
                     f"{self.norm_kind} (weight grads in {'W' if NORM_WEIGHT_GRAD_IN_W[self.norm_kind] else 'B'})",
                     self.norms,
@@ -76,9 +100,47 @@ class KernelSelection:
         return f"triton, {mode} ({self.reason}): {', '.join(fused) or 'nothing'}{rest}"
 
 
-def resolve_kernels(config: KernelConfig, model: GPTConfig, *, on_cuda: bool | None = None) -> KernelSelection:
-    """The selection for ``config`` on this machine (``on_cuda``: default ``torch.cuda.is_available()``)."""
+def resolve_kernels(
+    config: KernelConfig, model: GPTConfig, *, on_cuda: bool | None = None, tp_size: int = 1
+) -> KernelSelection:
+    """The selection for ``config`` on this machine (``on_cuda``: default ``torch.cuda.is_available()``); raises
+    ``ConfigError`` (one line with the fix) for what this machine or layout cannot serve."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
+    te_version = _check_transformer_engine(config, on_cuda=on_cuda, tp_size=tp_size)
+    selection = _resolve_fused(config, model, on_cuda=on_cuda)
+    wgrad = "triton" if selection.backend == "triton" and selection.weight_grad else "torch"
+    if config.kernels == "auto" and on_cuda and config.gradient_accumulation_fusion and apex_weight_grad_available():
+        wgrad = "apex"
+    return replace(
+        selection,
+        weight_grad_impl=wgrad,
+        transformer_impl=config.transformer_impl,
+        transformer_engine_version=te_version,
+    )
+
+
+def _check_transformer_engine(config: KernelConfig, *, on_cuda: bool, tp_size: int) -> str | None:
+    """TE's version when ``--transformer-impl transformer_engine`` can run here, ``None`` for ``local``."""
+    if config.transformer_impl != "transformer_engine":
+        return None
+    problem = transformer_engine_problem()
+    if problem is not None:
+        raise ConfigError(problem)
+    if not on_cuda:
+        raise ConfigError(
+            "--transformer-impl transformer_engine needs a CUDA GPU (Transformer Engine's kernels); "
+            "use --transformer-impl local"
+        )
+    if tp_size > 1:
+        raise ConfigError(
+            f"--transformer-impl transformer_engine supports --tensor-model-parallel-size 1 here, not {tp_size} "
+            "(TE's tensor parallelism would bypass zb_pipeline.comm); use tp 1 or --transformer-impl local"
+        )
+    return transformer_engine_version()
+
+
+def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> KernelSelection:
+    """``--kernels`` and the fusion flags: torch or Triton per operation."""
     if config.kernels == "torch":
         return KernelSelection(reason="--kernels torch")
     if config.kernels == "auto" and not on_cuda:
@@ -132,7 +194,21 @@ def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
     """Point the kernel hooks of every layer in ``model`` at the selected kernels (nothing for torch).
 
     Call it once, after building the model and before the first forward; the layers' weight-gradient stores may
-    already be bound (the norms read theirs at every forward)."""
+    already be bound (the norms read theirs at every forward).  With ``--transformer-impl transformer_engine`` the
+    decoder layers are replaced first (their stores carried over), so the Triton hooks below reach only the
+    embedding, the final norm, the head and the loss."""
+    if selection.transformer_impl == "transformer_engine":
+        from megatron.kernels.transformer_engine import use_transformer_engine
+        from megatron.model.gpt import GPTStage
+
+        for stage in [m for m in model.modules() if isinstance(m, GPTStage)]:
+            use_transformer_engine(stage, stage.config)
+    if selection.weight_grad_impl == "apex":
+        from megatron.kernels.apex_weight_grad import apex_accumulate_weight_grad
+
+        for module in model.modules():
+            if hasattr(module, "wgrad_fn"):
+                module.wgrad_fn = apex_accumulate_weight_grad
     if selection.backend != "triton":
         return
     from megatron.kernels.activations import triton_bias_gelu, triton_bias_swiglu
@@ -145,7 +221,7 @@ def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
     from zb_pipeline.runtime.deferrable_linear import mark_deferrable
 
     for module in model.modules():
-        if selection.weight_grad and hasattr(module, "wgrad_fn"):
+        if selection.weight_grad_impl == "triton" and hasattr(module, "wgrad_fn"):
             module.wgrad_fn = accumulate_weight_grad
         if selection.norms and isinstance(module, (LayerNorm, RMSNorm)):
             kind = "LayerNorm" if isinstance(module, LayerNorm) else "RMSNorm"

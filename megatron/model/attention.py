@@ -34,23 +34,39 @@ class SelfAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
         qkv = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
-        s, b = qkv.shape[0], qkv.shape[1]
-        g, hpg, d = self.groups, self.heads_per_group, self.head_dim
-        qkv = qkv.view(s, b, g, hpg + 2, d)
-        q = qkv[:, :, :, :hpg].reshape(s, b, g * hpg, d)  # [s, b, nq, d]
-        k = qkv[:, :, :, hpg]  # [s, b, g, d]
-        v = qkv[:, :, :, hpg + 1]  # [s, b, g, d]
-        if rotary is not None:
-            cos, sin = rotary
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
+        out = attend(
+            qkv,
+            groups=self.groups,
+            heads_per_group=self.heads_per_group,
+            head_dim=self.head_dim,
+            rotary=rotary,
             dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=True,
-            enable_gqa=hpg > 1,
-        )  # [b, nq, s, d]
-        out = out.permute(2, 0, 1, 3).reshape(s, b, g * hpg * d)  # [s, b, nq * d]
+        )  # [s, b, nq * d]
         return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
+
+
+def attend(
+    qkv: torch.Tensor,
+    *,
+    groups: int,
+    heads_per_group: int,
+    head_dim: int,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """Causal attention over a fused QKV projection laid out group by group (module docstring).
+
+    ``qkv``: ``[s, b, groups * (heads_per_group + 2) * head_dim]`` -> ``[s, b, groups * heads_per_group * head_dim]``.
+    Shared by ``SelfAttention`` and the Transformer Engine layers (``megatron.kernels.transformer_engine``)."""
+    s, b = qkv.shape[0], qkv.shape[1]
+    g, hpg, d = groups, heads_per_group, head_dim
+    qkv = qkv.view(s, b, g, hpg + 2, d)
+    q = qkv[:, :, :, :hpg].reshape(s, b, g * hpg, d)  # [s, b, nq, d]
+    k = qkv[:, :, :, hpg]  # [s, b, g, d]
+    v = qkv[:, :, :, hpg + 1]  # [s, b, g, d]
+    if rotary is not None:
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=hpg > 1)
+    return out.permute(2, 0, 1, 3).reshape(s, b, g * hpg * d)  # [b, nq, s, d] -> [s, b, nq * d]

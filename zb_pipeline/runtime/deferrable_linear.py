@@ -62,6 +62,12 @@ def _notify(param: torch.Tensor) -> None:
             hook(param)
 
 
+def notify_grad_accumulated(param: torch.Tensor) -> None:
+    """Call ``param``'s accumulation hooks: for code outside this module that has just accumulated a gradient
+    contribution into ``param.main_grad`` itself (e.g. an external library's delayed weight-gradient GEMM)."""
+    _notify(param)
+
+
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """Add ``grad`` into ``param.main_grad`` if present (in place), else into ``param.grad``."""
     main = getattr(param, "main_grad", None)
