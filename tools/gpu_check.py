@@ -1,7 +1,12 @@
 """GPU path check: one pipeline stage's F, B and W on CUDA for a 1.5B-style layer stack (bf16).
 
     python tools/gpu_check.py [--out bench/results] [--layers 6] [--hidden 1600] [--heads 25] [--seq 1024]
-                              [--micro-batch 4] [--peak-tflops N] [--device cuda|cpu]
+                              [--micro-batch 4] [--peak-tflops N] [--device cuda|cpu] [--kernels torch|auto|triton]
+    python tools/gpu_check.py --full [--out bench/results] [--budget 285]
+
+``--full`` runs the prepared GPU check of ``tools/gpu_check_full.py`` instead (kernels against their references and
+timed, this stage measurement with the kernels on, training through torchrun with NCCL, pp = 2 on gloo), within
+5 minutes, writing ``gpu_check.{md,json}``.  The rest of this docstring is the stage measurement.
 
 Builds the transformer layers of one stage from ``megatron.model`` (GPT-2 XL widths by default: hidden 1600,
 25 heads, 4x MLP), in bf16 with fp32 ``main_grad`` buffers as the mixed-precision trainer has them, and times
@@ -150,8 +155,9 @@ class _Timer:
         return time.perf_counter() - t0
 
 
-def build_stack(shape: StackShape, device, dtype):
-    """A middle pipeline stage (no embedding, no head) of ``shape.layers`` layers with fp32 ``main_grad``."""
+def build_stack(shape: StackShape, device, dtype, kernels: str = "torch"):
+    """A middle pipeline stage (no embedding, no head) of ``shape.layers`` layers with fp32 ``main_grad``; the fused
+    kernels chosen by ``--kernels`` (``megatron.kernels.select``) are applied; ``stage.kernels`` says which."""
     import torch
 
     from megatron.model import GPTConfig, GPTStage
@@ -170,6 +176,12 @@ def build_stack(shape: StackShape, device, dtype):
     stage = stage.to(device=device, dtype=dtype)
     for p in stage.parameters():
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    from megatron.config.kernels import KernelConfig
+    from megatron.kernels.select import apply_kernels, resolve_kernels
+
+    selection = resolve_kernels(KernelConfig(kernels=kernels), cfg, on_cuda=device.type == "cuda")
+    apply_kernels(stage, selection)
+    stage.kernels = selection.describe()
     return stage
 
 
@@ -193,7 +205,9 @@ def _one_round(stage, store, timer: _Timer, x0, dy, *, microbatch: int) -> dict[
     return {"F": t_f, "BW": t_bw, "B": t_b, "W": t_w}
 
 
-def measure(shape: StackShape, *, device_name: str, dtype_name: str, warmup: int, repeats: int) -> dict[str, object]:
+def measure(
+    shape: StackShape, *, device_name: str, dtype_name: str, warmup: int, repeats: int, kernels: str = "torch"
+) -> dict[str, object]:
     """Time F, BW, B and W of the stack; returns ``{action: [seconds, ...]}`` plus the memory peak."""
     import torch
 
@@ -203,7 +217,7 @@ def measure(shape: StackShape, *, device_name: str, dtype_name: str, warmup: int
     if warmup < 0 or repeats < 1:
         raise ValueError(f"--warmup={warmup} must be >= 0 and --repeats={repeats} >= 1")
     device, dtype = torch.device(device_name), getattr(torch, dtype_name)
-    stage = build_stack(shape, device, dtype)
+    stage = build_stack(shape, device, dtype, kernels)
     store = WeightGradStore()
     bind_weight_grad_store(stage, store)
     timer = _Timer(device)
@@ -219,7 +233,7 @@ def measure(shape: StackShape, *, device_name: str, dtype_name: str, warmup: int
             for a in ACTIONS:
                 times[a].append(measured[a])
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"times": times, "peak_memory_bytes": peak}
+    return {"times": times, "peak_memory_bytes": peak, "kernels": stage.kernels}
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -264,6 +278,8 @@ def to_markdown(report: dict[str, object]) -> str:
         "| action | median (ms) | GFLOP | TFLOP/s | MFU |",
         "|---|---|---|---|---|",
     ]
+    if report.get("kernels"):
+        lines[4:4] = [f"Kernels: {report['kernels']}."]
     for a in ACTIONS:
         r = rows[a]
         lines.append(
@@ -303,12 +319,13 @@ def run_check(
     warmup: int,
     repeats: int,
     peak_tflops: float | None,
+    kernels: str = "torch",
 ) -> dict[str, object]:
     """Measure and summarise; the whole report as a JSON-ready dict."""
     env = environment(device)
     if peak_tflops is None and device == "cuda":
         peak_tflops = peak_tflops_for(env["device_name"])
-    measured = measure(shape, device_name=device, dtype_name=dtype, warmup=warmup, repeats=repeats)
+    measured = measure(shape, device_name=device, dtype_name=dtype, warmup=warmup, repeats=repeats, kernels=kernels)
     return {
         "shape": asdict(shape),
         "device": device,
@@ -319,6 +336,7 @@ def run_check(
         "rows": summarize(shape, measured["times"], peak_tflops=peak_tflops),
         "times_s": measured["times"],
         "peak_memory_bytes": measured["peak_memory_bytes"],
+        "kernels": measured["kernels"],
         "environment": env,
     }
 
@@ -349,6 +367,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--peak-tflops", type=float, default=None, help="override the device's peak (TFLOP/s)")
+    ap.add_argument("--kernels", choices=("torch", "auto", "triton"), default="torch", help="fused kernels (--kernels)")
+    ap.add_argument("--full", action="store_true", help="the prepared GPU check (tools/gpu_check_full.py)")
+    ap.add_argument("--budget", type=float, default=285.0, help="--full: seconds for all its steps together")
     return ap.parse_args(argv)
 
 
@@ -359,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device available (torch {torch.__version__}); nothing to check.")
         return 0
+    if args.full:
+        return _full(args)
     if args.device == "cpu":
         torch.set_num_threads(1)
     if args.quick:
@@ -384,11 +407,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         peak_tflops=args.peak_tflops,
+        kernels=args.kernels,
     )
     paths = write_report(report, args.out)
     print(to_markdown(report))
     print(f"gpu_check: wrote {paths[0]} and {paths[1]} in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _full(args: argparse.Namespace) -> int:
+    """``--full``: every step guarded and timed out (``gpu_check_full``); exit 1 if any step did not pass."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_check_full
+
+    if not 60 <= args.budget <= 3600:
+        print(f"gpu_check: --budget={args.budget} must be between 60 and 3600 seconds", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    report = gpu_check_full.run_full(args.out, budget_s=args.budget, micro_batch=min(args.micro_batch, 2))
+    print(gpu_check_full.to_markdown(report))
+    print(f"gpu_check --full: wrote {args.out}/gpu_check.json and .md in {time.perf_counter() - t0:.0f} s")
+    return 0 if all(s["status"] == "pass" for s in report["steps"]) else 1
 
 
 if __name__ == "__main__":
