@@ -383,7 +383,9 @@ def to_markdown(report: dict) -> str:
         "",
         f"Device: {env.get('device_name')}; torch {env.get('torch')}, CUDA {env.get('cuda')}, Triton "
         f"{env.get('triton')}, python {env.get('python')}; {env.get('date')}. Took {report['elapsed_s']:.0f} s "
-        f"of a {report['budget_s']:.0f} s budget.",
+        f"of a {report['budget_s']:.0f} s budget. apex's fused weight-gradient extension: "
+        f"{'installed' if env.get('apex_weight_grad') else 'not installed'}; Transformer Engine: "
+        f"{env.get('transformer_engine') or 'not installed'}.",
         "",
         "## Steps",
         "",
@@ -432,7 +434,12 @@ def environment() -> dict:
     except Exception:  # noqa: BLE001
         triton_version = None
     cuda = torch.cuda.is_available()
+    sys.path.insert(0, REPO)
+    from megatron.kernels.vendor import apex_weight_grad_available, transformer_engine_version
+
     return {
+        "apex_weight_grad": apex_weight_grad_available(),
+        "transformer_engine": transformer_engine_version(),
         "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -456,7 +463,11 @@ def run_full(
     """Run the plan within ``budget_s``; the report is rewritten after each step.  Returns it."""
     t0 = clock()
     work = tempfile.mkdtemp(prefix="gpu_check_")
-    env = env if env is not None else environment()
+    if env is None:
+        try:
+            env = environment()
+        except Exception as exc:  # noqa: BLE001  (a broken optional library must not stop the check)
+            env = {"device_name": f"unknown ({type(exc).__name__}: {exc})"}
     results: list[dict] = []
     report: dict = {}
     try:
