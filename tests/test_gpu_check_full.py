@@ -184,3 +184,10 @@ def test_stage_with_the_kernels_on(tmp_path):
     assert report["kernels"].startswith("triton, Triton interpreter on CPU")
     assert report["rows"]["split"]["b_plus_w_over_bw"] > 0
     assert "Kernels: triton" in gc.to_markdown(report)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
+def test_full_without_cuda_one_line_and_exit_0(capsys, tmp_path):
+    assert gc.main(["--full", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "no CUDA" in out and not os.listdir(tmp_path)
