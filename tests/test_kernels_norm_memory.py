@@ -100,7 +100,11 @@ def _bounds_broken(held: list[tuple[int, int]]) -> list[str]:
                 num_ranks=p, chunks=chunks, stage_to_rank=place, f=[1.0] * S, b=[1.0] * S, w=[1.0] * S,
                 mem_f=mem_f, mem_b=[float(b - f) for f, b in per_stage], mem_w=[-float(b) for _, b in per_stage],
             )  # fmt: skip
-            peaks = peak_memory(registry.generate(name, p, m, costs=costs), costs)
+            try:
+                plan = registry.generate(name, p, m, costs=costs)
+            except ValueError:  # a shape the schedule does not serve (dualpipev: m < 2p)
+                continue
+            peaks = peak_memory(plan, costs)
             for rank, peak in enumerate(peaks):
                 unit = sum(f for st, f in enumerate(mem_f) if place[st] == rank)
                 if peak > bound * unit * (1 + 1e-9):

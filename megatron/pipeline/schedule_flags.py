@@ -17,8 +17,8 @@ The reference fork's flags, so its users' scripts run unchanged:
     --zero-bubble-max-pending-backward auto   -> the limit that fits --zero-bubble-adaptive-memory-limit-percentile
                                                  (default 85) of device memory; resolved by the profiler at run time
                                                  (``mem_limit_auto``), no limit until then
-    --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window: at its end zb-auto, zb-h2, the V
-                                                 schedules and interleaved-zb are re-planned from the measured costs
+    --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window: at its end zb-auto, zb-h2, zb-v,
+                                                 v-half, v-min and interleaved-zb are re-planned from the measured costs
     --enable-exactly-numeric-match            accepted: our runtime is exact by construction (each stage's weight
                                                  gradients accumulate in microbatch order)
     --enable-optimizer-post-validation        the optimizer steps without waiting for the other pipeline stages'
@@ -29,9 +29,10 @@ An explicit ``--pipeline-schedule`` that contradicts a fork flag is an error (on
 flag the schedule is ``zb-h1`` (``interleaved-1f1b`` when --num-layers-per-virtual-pipeline-stage is given): it has
 1F1B's peak activation memory (p microbatches on the first rank), the same losses bit for bit (weight gradients still
 accumulate in microbatch order), and a bubble of about a third of 1F1B's -- there is no case where 1F1B is the better
-default.  Every built-in schedule serves m < p (a short iteration simply has a larger bubble); a shape a plan cannot
-serve (a plan file for another p or m, a chunk count the schedule does not support, layers that do not split over the
-virtual stages, a memory limit below one microbatch) is a ``ConfigError`` at start-up, before any communication.
+default.  Every built-in schedule but dualpipev (m >= 2p) serves m < p (a short iteration simply has a larger bubble);
+a shape a plan cannot serve (dualpipev with m < 2p, a plan file for another p or m, a chunk count the schedule does
+not support, layers that do not split over the virtual stages, a memory limit below one microbatch) is a
+``ConfigError`` at start-up, before any communication.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The built-in action handlers: what F, B, W, BW and the plain transfers do on one rank.
+"""The built-in action handlers: what F, B, W, BW, an F+BW pair and the plain transfers do on one rank.
 
 Each is ``fn(executor, action)`` and works only through the executor's public plumbing (``fetch_input``,
 ``deliver_output``, ``save_for_backward``, ...), the way a user's handler registered with ``set_handler`` would.
@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from zb_pipeline.runtime.hooks import Handler
-from zb_pipeline.schedule.ir import Action, Kind
+from zb_pipeline.schedule.ir import Action, Kind, PairAction
 
 # ``ex`` is a ``zb_pipeline.runtime.executor.PipelineExecutor`` (not imported: the executor imports this table).
 PipelineExecutor = Any
@@ -78,6 +78,12 @@ def _w(ex: PipelineExecutor, a: Action) -> None:
     ex.store.run(a.stage, a.microbatch)
 
 
+def _pair(ex: PipelineExecutor, a: PairAction) -> None:
+    """An overlapped pair, back to back: its forward, then its full backward (each traced as a half of ``a``)."""
+    ex.run_compute(a.forward, pair=a)
+    ex.run_compute(a.backward, pair=a)
+
+
 def _send(ex: PipelineExecutor, a: Action) -> torch.Tensor:
     return ex.take_payload(a)
 
@@ -91,6 +97,7 @@ DEFAULT_HANDLERS: dict[Kind, Handler] = {
     Kind.B: _b,
     Kind.W: _w,
     Kind.BW: _bw,
+    Kind.PAIR: _pair,
     Kind.SEND_F: _send,
     Kind.SEND_B: _send,
     Kind.RECV_F: _recv,

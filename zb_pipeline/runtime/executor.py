@@ -25,6 +25,9 @@ What the built-in handlers do (stage ``s``, microbatch ``mb``, ``S`` stages):
   ``split="generic"``) go through ``GenericSplit``, which defers every parameter gradient through autograd.
 - **W**: ``store.run(s, mb)``: the deferred weight-gradient work, accumulated into ``param.main_grad`` (or ``.grad``).
 - **BW**: the full backward (weight gradients immediately).
+- **F+BW** (an overlapped pair, ``ir.PairAction``): its F, then its BW, each through ``run_compute`` (so through the
+  current F and BW handlers, traced as two compute events tagged with the pair); both inputs were received before it
+  and both outputs are sent after it (lowering).  Two CUDA streams would overlap them: a replacement pair handler.
 
 Gradient accumulation order: every stage's weight gradients are accumulated in the order of its W/BW actions, which
 for all built-in schedules is microbatch order -- so results match a sequential single-process run bit for bit.
@@ -54,9 +57,11 @@ from zb_pipeline.runtime.generic_split import GenericSplit
 from zb_pipeline.runtime.hooks import ExecutorHooks, Handler
 from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
-from zb_pipeline.schedule.ir import Action, Kind
+from zb_pipeline.schedule.ir import Action, Kind, PairAction
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
+
+_PAIR = Kind.PAIR
 
 InputFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
@@ -250,7 +255,7 @@ class PipelineExecutor:
             handler = handlers.get(step.kind)
             if handler is None:
                 raise KeyError(f"rank {self.rank}: no handler for action kind {step.kind.value} ({step})")
-            if tracer is None:
+            if tracer is None or step.kind is _PAIR:  # a pair's handler runs (and traces) its halves: run_compute
                 handler(self, step)
             else:
                 t0 = time.perf_counter()
@@ -259,6 +264,22 @@ class PipelineExecutor:
             if grads_final and (step.kind is Kind.W or step.kind is Kind.BW):
                 self._count_weight_grads(step.stage)
         return False
+
+    def run_compute(self, a: Action, *, pair: PairAction | None = None) -> None:
+        """Run compute action ``a`` through its handler, traced (as a half of ``pair``, if given) and counted for
+        ``stage_grads_final``: what the built-in pair handler does with each of its halves."""
+        handler = self.handlers.get(a.kind)
+        if handler is None:
+            raise KeyError(f"rank {self.rank}: no handler for action kind {a.kind.value} ({a})")
+        tracer = self.tracer
+        if tracer is None:
+            handler(self, a)
+        else:
+            t0 = time.perf_counter()
+            handler(self, a)
+            tracer.compute(a, t0, time.perf_counter(), pair=pair)
+        if self.hooks.stage_grads_final and (a.kind is Kind.W or a.kind is Kind.BW):
+            self._count_weight_grads(a.stage)
 
     def _count_weight_grads(self, stage: int) -> None:
         done = self._w_done.get(stage, 0) + 1

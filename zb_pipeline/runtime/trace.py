@@ -3,6 +3,7 @@
 Each rank's executor records into its own ``Tracer``:
 
 - compute actions (F, B, W, BW) on thread 0 ("compute"), from the moment their inputs were available to their end;
+  an overlapped pair as its two halves (an F and a BW event, each with ``args["pair"]`` naming the pair);
 - communication ops on thread 1 ("comm"), one event per SEND/RECV action at the moment its batch was posted;
 - waits for a receive on thread 0, category ``wait``, named after the receive and the action that waited.
 
@@ -24,11 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from zb_pipeline import comm
-from zb_pipeline.schedule.ir import Action
+from zb_pipeline.schedule.ir import Action, PairAction
 from zb_pipeline.schedule.lowering import CommBatch
 
 COMPUTE_TID, COMM_TID = 0, 1
-_COMPUTE, _POSTED, _WAITED, _MARK = range(4)  # kinds of recorded event
+_COMPUTE, _POSTED, _WAITED, _MARK, _HALF = range(5)  # kinds of recorded event (_HALF: a half of a pair)
 
 
 def _args(a: Action, iteration: int) -> dict[str, Any]:
@@ -78,10 +79,12 @@ class Tracer:
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
 
-    def compute(self, action: Action, t_start: float, t_end: float) -> None:
-        """A compute action that started (was called) at ``t_start``; it began working once its last wait ended."""
+    def compute(self, action: Action, t_start: float, t_end: float, *, pair: PairAction | None = None) -> None:
+        """A compute action that started (was called) at ``t_start``; it began working once its last wait ended.
+        ``pair``: the overlapped pair ``action`` is a half of (recorded in the event's args)."""
         begin = t_start if t_start > self._last_wait_end else self._last_wait_end
-        self._raw.append((_COMPUTE, action, begin, t_end, self.iteration, self._t0))
+        obj = action if pair is None else (action, pair)
+        self._raw.append((_COMPUTE if pair is None else _HALF, obj, begin, t_end, self.iteration, self._t0))
 
     def comm_posted(self, batch: CommBatch) -> None:
         self._raw.append((_POSTED, batch, time.perf_counter(), 0.0, self.iteration, self._t0))
@@ -100,6 +103,10 @@ class Tracer:
         ts, dur = round((t_start - t0) * 1e6, 3), round((t_end - t_start) * 1e6, 3)
         if what == _COMPUTE:
             out.append(self._event(str(obj), obj.kind.value, COMPUTE_TID, ts, dur, _args(obj, iteration)))
+        elif what == _HALF:
+            a, pair = obj
+            args = {**_args(a, iteration), "pair": str(pair)}
+            out.append(self._event(str(a), a.kind.value, COMPUTE_TID, ts, dur, args))
         elif what == _POSTED:
             for a in obj.actions:
                 out.append(
@@ -159,12 +166,18 @@ def gather_trace(
 
 
 def executed_actions(doc: dict[str, Any], rank: int, *, iteration: int | None = None) -> list[str]:
-    """The action strings (compute and communication, no waits) rank ``rank`` executed, in execution order."""
+    """The action strings (compute and communication, no waits) rank ``rank`` executed, in execution order; the two
+    halves of an overlapped pair count as the pair (``"1F5+6BW2"``, once)."""
     out = []
     for ev in doc["traceEvents"]:
         if ev.get("ph") != "X" or ev.get("pid") != rank or ev.get("cat") in ("wait", "other"):
             continue
         if iteration is not None and ev["args"].get("iteration") != iteration:
+            continue
+        pair = ev["args"].get("pair")
+        if pair is not None:  # the pair once, at its forward half
+            if pair.split("+")[0] == ev["args"]["action"]:
+                out.append(pair)
             continue
         out.append(ev["args"]["action"])
     return out  # a rank's events are appended in execution order (a compute event once the action has ended)

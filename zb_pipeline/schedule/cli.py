@@ -4,7 +4,7 @@
     zb-schedule show NAME -p 4 -m 8 [--chunks 2] [--png out.png | --svg out.svg] [cost flags]
     zb-schedule show --trace trace.json --png out.png [--iteration N]   (a --pipeline-trace above its plan, and its
                                                                        critical path: compute, gaps, hops)
-    zb-schedule simulate NAME -p 4 -m 8 [--chunks V] --cost-f F --cost-b B --cost-w W --cost-comm C
+    zb-schedule simulate NAME -p 4 -m 8 [--chunks V] --cost-f F --cost-b B --cost-w W --cost-comm C [--cost-overlap A]
                          [--mem-f X --mem-b Y --mem-w Z] [--mem-limit L] [--json] [--export plan.json]
     zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
     zb-schedule validate plan.json [cost flags] [--mem-limit L]
@@ -20,6 +20,7 @@ with status 2; a plan that fails ``check_and_lower`` prints its grid (failing st
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -83,6 +84,14 @@ def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True, required
     g.add_argument("--cost-b", default="1", metavar="B", help="input-gradient backward time T_B (default 1)")
     g.add_argument("--cost-w", default="1", metavar="W", help="weight-gradient time T_W (default 1)")
     g.add_argument("--cost-comm", default="0", metavar="C", help="time added to every cross-rank hand-off (default 0)")
+    g.add_argument(
+        "--cost-overlap",
+        type=float,
+        default=1.0,
+        metavar="A",
+        help="an overlapped F+BW pair (dualpipev) costs A x (F + BW), at least its longer half; 0 < A <= 1 "
+        "(default 1: the sum)",
+    )
     g.add_argument("--mem-f", default="1", metavar="X", help="activation memory added by F (default 1)")
     g.add_argument("--mem-b", default=None, metavar="Y", help="memory added by B (default 0)")
     g.add_argument("--mem-w", default=None, metavar="Z", help="memory added by W (default -(mem_f + mem_b))")
@@ -97,6 +106,15 @@ def _add_shape_args(sp: argparse.ArgumentParser, *, shape: bool = True, required
 
 
 def _build_costs(args: argparse.Namespace, p: int, chunks: int, placement: Sequence[int]) -> StageCosts:
+    overlap = getattr(args, "cost_overlap", 1.0)
+    if not (math.isfinite(overlap) and 0 < overlap <= 1):
+        raise UsageError(f"--cost-overlap {overlap:g} must be in (0, 1]: a pair costs that share of F + BW")
+    if overlap != 1.0:
+        return dataclasses.replace(_build_costs_from_flags(args, p, chunks, placement), overlap=overlap)
+    return _build_costs_from_flags(args, p, chunks, placement)
+
+
+def _build_costs_from_flags(args: argparse.Namespace, p: int, chunks: int, placement: Sequence[int]) -> StageCosts:
     if getattr(args, "profile", None):
         from zb_pipeline.schedule.profile import load_profile  # reads JSON only; no torch
 
@@ -180,6 +198,7 @@ def _summary_dict(result: SimResult, costs: StageCosts, lowered: LoweredSchedule
         "rank_compute": list(result.rank_compute),
         "p2p_messages": p2p_messages(lowered),
         "cost_comm": costs.comm,
+        "cost_overlap": costs.overlap,
         "end_time": result.end_time,
         "lower_bound": iteration_lower_bound(costs, s.stage_to_rank, s.num_microbatches).time,
     }

@@ -8,6 +8,11 @@ Costs are given the way users think of them (see ``StageCosts.build``):
 Memory follows the same rule.  The model: F adds ``mem_f``, B adds ``mem_b``, W adds ``mem_w`` and
 ``mem_f + mem_b + mem_w == 0`` (a fused BW adds ``mem_b + mem_w``).  The default ``mem_b = 0, mem_w = -mem_f``
 counts a microbatch as resident from its F until its W, the conservative reading used for the schedules' bounds.
+
+``overlap`` prices an overlapped pair (``ir.PairAction``, DualPipe's F&B: a forward and a full backward run together
+on one rank): it costs ``max(overlap * (f + b + w), f, b + w)`` of its halves' stages -- never less than its longer
+half.  The default 1 is the sum of the parts (what the runtime's back-to-back execution does); a small factor means
+perfect overlap (the pair takes as long as its longer half).  It must lie in (0, 1]; plans without pairs ignore it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class StageCosts:
     mem_f: tuple[float, ...]
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
+    overlap: float = 1.0  # an F+BW pair costs overlap * (f + b + w), at least its longer half (module docstring)
 
     def __post_init__(self) -> None:
         n = len(self.f)
@@ -43,6 +49,8 @@ class StageCosts:
                     raise ValueError(f"cost {name.upper()} of stage {s} is {v}: costs must be finite and > 0")
         if not (math.isfinite(self.comm) and self.comm >= 0):
             raise ValueError(f"communication cost {self.comm} must be finite and >= 0")
+        if not (math.isfinite(self.overlap) and 0 < self.overlap <= 1):
+            raise ValueError(f"overlap factor {self.overlap} must be in (0, 1] (an F+BW pair costs overlap x (F + BW))")
         for s in range(n):
             total = self.mem_f[s] + self.mem_b[s] + self.mem_w[s]
             if abs(total) > 1e-9 * max(1.0, abs(self.mem_f[s])):
@@ -59,6 +67,12 @@ class StageCosts:
         """Cost of a fused full backward."""
         return self.b[stage] + self.w[stage]
 
+    def pair(self, f_stage: int, b_stage: int) -> float:
+        """Cost of an overlapped pair: the forward of ``f_stage`` with the full backward of ``b_stage`` (module
+        docstring)."""
+        f, bw = self.f[f_stage], self.b[b_stage] + self.w[b_stage]
+        return f + bw if self.overlap == 1.0 else max(self.overlap * (f + bw), f, bw)
+
     @classmethod
     def build(
         cls,
@@ -73,6 +87,7 @@ class StageCosts:
         mem_f: CostSpec = 1.0,
         mem_b: CostSpec | None = None,
         mem_w: CostSpec | None = None,
+        overlap: Number = 1.0,
     ) -> StageCosts:
         """Expand user-style specs to per-virtual-stage tuples.
 
@@ -114,7 +129,7 @@ class StageCosts:
             mw = tuple(-(x + y) for x, y in zip(mf, mb, strict=True))
         else:
             mw = expand("mem_w", mem_w)
-        return cls(f=fs, b=bs, w=ws, comm=float(comm), mem_f=mf, mem_b=mb, mem_w=mw)
+        return cls(f=fs, b=bs, w=ws, comm=float(comm), mem_f=mf, mem_b=mb, mem_w=mw, overlap=float(overlap))
 
     @classmethod
     def uniform(

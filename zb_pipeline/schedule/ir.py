@@ -3,6 +3,11 @@
 An action is printed as ``{stage}{kind}{microbatch}`` (``3F0``, ``0B12``, ``5W7``, ``2BW4``); communication
 actions carry their peer rank after ``@`` (``0SEND_F3@1``).  ``Action.parse`` is the exact inverse of ``str``.
 
+An overlapped pair (DualPipe's F&B) is one step of a plan: a ``PairAction`` holding a forward ``F`` and a full backward
+``BW`` of other microbatches on the same rank, printed ``{forward}+{backward}`` (``1F5+6BW2``), of kind ``Kind.PAIR``.
+Its forward and its backward are plain ``Action``s; it has no stage or microbatch of its own, so code that reads
+those of a step must look at the halves (``halves(step)``).  ``parse_action`` reads any compute step, pair included.
+
 Conventions for communication actions (added only by lowering, never by generators):
 - ``SEND_F``: stage ``s`` sends its forward output of microbatch ``mb`` to the rank of stage ``s + 1``.
 - ``RECV_F``: stage ``s`` receives its forward input of ``mb`` from the rank of stage ``s - 1``.
@@ -10,9 +15,8 @@ Conventions for communication actions (added only by lowering, never by generato
 - ``RECV_B``: stage ``s`` receives the gradient of its output of ``mb`` from the rank of stage ``s + 1``.
 
 Plan files hold compute actions only.  Built-in kinds are ``Kind`` members; a kind declared outside this file (an
-experiment, an overlapped F-and-B action before the lowering passes know it) is registered with ``register_kind``,
-which makes it printable and parseable, and the runtime runs it through the handler registered for it
-(``PipelineRuntime.set_handler``).
+experiment) is registered with ``register_kind``, which makes it printable and parseable, and the runtime runs it
+through the handler registered for it (``PipelineRuntime.set_handler``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Kind(str, Enum):
     B = "B"  # backward w.r.t. the stage input only (weight-gradient work deferred)
     W = "W"  # the deferred weight-gradient work of one stage and microbatch
     BW = "BW"  # full backward: B and W fused
+    PAIR = "F+BW"  # an overlapped F and BW on one rank: only as the kind of a ``PairAction``
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -49,8 +54,9 @@ class Kind(str, Enum):
         return self.value
 
 
-_COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
+_COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR})
 COMPUTE_KINDS: frozenset[Kind] = _COMPUTE
+_PAIR = Kind.PAIR
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ def kind_of(spelling: str) -> Kind | CustomKind:
 def _build_action_re() -> None:
     global _ACTION_RE
     # Longest spellings first so that "BW" is not read as "B" followed by garbage.
-    spellings = sorted([k.value for k in Kind] + list(_CUSTOM), key=len, reverse=True)
+    spellings = sorted([k.value for k in Kind if k is not Kind.PAIR] + list(_CUSTOM), key=len, reverse=True)
     _ACTION_RE = re.compile(rf"^(\d+)({'|'.join(spellings)})(\d+)(?:@(\d+))?$")
 
 
@@ -121,6 +127,8 @@ class Action:
             raise ValueError(f"compute action {self.kind.value} takes no peer, got peer={self.peer}")
         if self.kind.is_comm and self.peer is None:
             raise ValueError(f"communication action {self.kind.value} needs a peer rank")
+        if self.kind is _PAIR:
+            raise ValueError("an overlapped F+BW pair is a PairAction(forward, backward), not an Action")
 
     def __str__(self) -> str:
         s = f"{self.stage}{self.kind.value}{self.microbatch}"
@@ -136,10 +144,68 @@ class Action:
         if m is None:
             raise ValueError(
                 f"bad action {text!r}: expected '{{stage}}{{kind}}{{microbatch}}' such as '3F0', '0B12', '2BW4' "
-                f"(kinds: {', '.join([k.value for k in Kind] + list(_CUSTOM))})"
+                f"(kinds: {', '.join([k.value for k in Kind if k is not Kind.PAIR] + list(_CUSTOM))})"
             )
         stage, kind, mb, peer = m.groups()
         return cls(int(stage), kind_of(kind), int(mb), None if peer is None else int(peer))
+
+
+@dataclass(frozen=True, slots=True)
+class PairAction:
+    """DualPipe's overlapped pair: ``forward`` (an ``F``) and ``backward`` (a ``BW`` of another microbatch) run as one
+    step on one rank.  Its inputs must all have arrived before it starts, its outputs are sent after it ends (lowering);
+    the runtime runs the forward, then the backward (``compute_handlers``)."""
+
+    forward: Action
+    backward: Action
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.forward, Action) or self.forward.kind is not Kind.F:
+            raise ValueError(f"a pair's first half must be an F action, got {self.forward!r}")
+        if not isinstance(self.backward, Action) or self.backward.kind is not Kind.BW:
+            raise ValueError(f"a pair's second half must be a BW action (full backward), got {self.backward!r}")
+
+    @property
+    def kind(self) -> Kind:
+        return Kind.PAIR
+
+    @property
+    def peer(self) -> None:
+        return None
+
+    def __str__(self) -> str:
+        return f"{self.forward}+{self.backward}"
+
+    def __repr__(self) -> str:
+        return f"PairAction({self})"
+
+    @classmethod
+    def parse(cls, text: str) -> PairAction:
+        """Parse ``"1F5+6BW2"``; raises ``ValueError`` naming the bad text."""
+        parts = text.strip().split("+") if isinstance(text, str) else []
+        if len(parts) != 2:
+            raise ValueError(f"bad pair {text!r}: expected '{{stage}}F{{mb}}+{{stage}}BW{{mb}}' such as '1F5+6BW2'")
+        try:
+            return cls(Action.parse(parts[0]), Action.parse(parts[1]))
+        except ValueError as e:
+            raise ValueError(f"bad pair {text!r}: {e}") from None
+
+
+PlanAction = Action | PairAction  # one step of a compute plan
+
+
+def parse_action(text: str) -> PlanAction:
+    """``Action.parse``, or ``PairAction.parse`` for text with a ``+`` (``"1F5+6BW2"``)."""
+    if isinstance(text, str) and "+" in text:
+        return PairAction.parse(text)
+    return Action.parse(text)
+
+
+def halves(step: PlanAction) -> tuple[Action, ...]:
+    """The plain actions a step does: ``(forward, backward)`` of a pair, else ``(step,)``."""
+    if type(step) is PairAction:
+        return (step.forward, step.backward)
+    return (step,)
 
 
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the IR
@@ -194,7 +260,7 @@ class Schedule:
     num_stages: int
     num_microbatches: int
     stage_to_rank: tuple[int, ...]
-    ranks: tuple[tuple[Action, ...], ...]
+    ranks: tuple[tuple[PlanAction, ...], ...]
 
     def __post_init__(self) -> None:
         if self.num_ranks < 1:

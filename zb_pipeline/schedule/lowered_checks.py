@@ -17,7 +17,7 @@ from zb_pipeline.schedule.schedule_error import MAX_STUCK_LISTED, ScheduleError,
 
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 _SEND_PV, _RECV_PV = Kind.SEND_PV, Kind.RECV_PV
-_F, _B, _BW, _W = Kind.F, Kind.B, Kind.BW, Kind.W
+_F, _B, _BW, _W, _PAIR = Kind.F, Kind.B, Kind.BW, Kind.W, Kind.PAIR
 # Where a transfer was posted: rank * _BIG + step.
 _BIG = 1 << 32
 
@@ -60,6 +60,9 @@ def _compute_steps(lowered: LoweredSchedule) -> tuple[list[int], list[int]]:
                 fstep[st.stage * m + st.microbatch] = j
             elif kind is _B or kind is _BW:
                 gstep[st.stage * m + st.microbatch] = j
+            elif kind is _PAIR:  # both halves at the pair's step
+                fstep[st.forward.stage * m + st.forward.microbatch] = j
+                gstep[st.backward.stage * m + st.backward.microbatch] = j
     return fstep, gstep
 
 
@@ -241,7 +244,7 @@ def _check_pv_placement(lowered: LoweredSchedule) -> None:
                 for a in st.actions:
                     if a.kind is _SEND_PV or a.kind is _RECV_PV:
                         where[(a.kind, a.microbatch)] = j
-            elif first_backward is None and st.kind in (_B, _BW, _W):
+            elif first_backward is None and st.kind in (_B, _BW, _W, _PAIR):
                 first_backward = j
         if not where:
             continue

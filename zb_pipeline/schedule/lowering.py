@@ -21,18 +21,22 @@ The communication model (strict, as NCCL imposes it)
 Dependencies (the same for the validator and the simulator)
 -----------------------------------------------------------
 F of ``(s, mb)`` needs F of ``(s - 1, mb)``; B or BW of ``(s, mb)`` needs its own F and the B or BW of
-``(s + 1, mb)`` (on the last stage only its own F: the loss); W needs its B.
+``(s + 1, mb)`` (on the last stage only its own F: the loss); W needs its B.  An overlapped pair
+(``ir.PairAction``) is one step: it needs everything its F and its BW need, and both of its outputs exist at its end
+(its halves never feed each other: they hold different microbatches).
 
 The algorithm
 -------------
-1. *Event order.*  Run the compute plan once under unit costs (F = B = W = 1, BW = 2, no communication time):
+1. *Event order.*  Run the compute plan once under unit costs (F = B = W = 1, BW = 2, a pair 3, no communication):
    each rank executes its actions in order, each action starting when the previous one on its rank and all of its
    dependencies have ended.  This gives every compute action an integer end time ``end`` and a global completion
    index ``seq``; it is O(number of actions) (a rank that waits is parked on the one event it waits for).  If
    the plan can never finish this way it is not dependency-valid and ``lower`` raises ``ValueError``.
 2. *Transfers.*  Each hand-off that crosses ranks (F of ``s`` feeding F of ``s + 1``; B or BW of ``s`` feeding the
    backward of ``s - 1``) gets the key ``(end, seq)`` of the action that produces it.  The producer's rank gets the
-   send, the consumer's rank the receive, *both with the same key*.
+   send, the consumer's rank the receive, *both with the same key*.  A pair's two transfers share its key, the
+   forward's first: so a pair receives both of its inputs before it starts and sends both outputs after it ends
+   (DualPipe's pattern).
 3. *Placement.*  On every rank, all transfers whose producer ends at time ``t`` form one batch, posted after the
    rank's compute actions that end at or before ``t`` and before those that end after ``t``; inside a batch (and
    so between every pair of ranks) transfers are ordered by key.  A send therefore comes right after its producer,
@@ -60,7 +64,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.ir import Action, Kind, PairAction, PlanAction, Schedule
 
 # Event slots: key = (stage * m + microbatch) * 3 + slot.
 SLOT_F = 0  # F(s, mb) ended: its activation exists
@@ -68,7 +72,7 @@ SLOT_G = 1  # B or BW of (s, mb) ended: the gradient of its input exists
 SLOT_W = 2  # W of (s, mb) ended (or the W half of a BW)
 COMM_KINDS: frozenset[Kind] = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 # Enum members as plain module constants: the hot loops compare kinds by identity (Enum hashing is slow).
-_F, _B, _W, _BW = Kind.F, Kind.B, Kind.W, Kind.BW
+_F, _B, _W, _BW, _PAIR = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 _new, _set = object.__new__, object.__setattr__
 
@@ -131,6 +135,22 @@ def action_deps(kind: Kind, stage: int, microbatch: int, num_stages: int, m: int
     return (base + SLOT_F,)
 
 
+def step_deps(step: PlanAction, num_stages: int, m: int) -> tuple[int, ...]:
+    """``action_deps`` of a plan step: a pair waits for what both of its halves wait for."""
+    if step.kind is _PAIR:
+        f, b = step.forward, step.backward
+        f_deps = action_deps(_F, f.stage, f.microbatch, num_stages, m)
+        return f_deps + action_deps(_BW, b.stage, b.microbatch, num_stages, m)
+    return action_deps(step.kind, step.stage, step.microbatch, num_stages, m)
+
+
+def _pair_events(pair: PairAction, num_stages: int, m: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A pair's dependencies, the events it produces and its unit cost (F 1 + BW 2)."""
+    f, b = pair.forward, pair.backward
+    fb, bb = (f.stage * m + f.microbatch) * 3, (b.stage * m + b.microbatch) * 3
+    return step_deps(pair, num_stages, m), (fb + SLOT_F, bb + SLOT_G, bb + SLOT_W), 3
+
+
 def describe_event(key: int, m: int) -> str:
     """The action (spelled as in the IR) whose end is event ``key``."""
     sm, slot = divmod(key, 3)
@@ -173,7 +193,27 @@ def event_order(schedule: Schedule) -> EventOrder:
         end_r, seq_r = ends[r], seqs[r]
         while i < n:
             a = acts[i]
-            kind, s, mb = a.kind, a.stage, a.microbatch
+            kind = a.kind
+            if kind is _PAIR:  # the F and the BW of a pair: every input before it starts, every output at its end
+                deps, produced, cost = _pair_events(a, S, m)
+                missing = next((d for d in deps if done[d] < 0), -1)
+                if missing >= 0:
+                    waiting.setdefault(missing, []).append(r)
+                    blocked[r] = missing
+                    break
+                t_rank = max([t_rank] + [done[d] for d in deps]) + cost
+                for key in produced:
+                    done[key] = t_rank
+                    if waiting:
+                        woken = waiting.pop(key, None)
+                        if woken:
+                            ready.extend(woken)
+                end_r.append(t_rank)
+                seq_r.append(counter)
+                counter += 1
+                i += 1
+                continue
+            s, mb = a.stage, a.microbatch
             base = (s * m + mb) * 3
             # The events this action waits for (see action_deps), inlined: this loop is the hot path.
             if kind is _F:
@@ -227,6 +267,23 @@ def event_order(schedule: Schedule) -> EventOrder:
     return EventOrder(tuple(map(tuple, ends)), tuple(map(tuple, seqs)), stuck)
 
 
+def _transfers(
+    a: Action, r: int, e: int, n: int, half: int, num_stages: int, owner: tuple[int, ...], mine: list, comm: list[list]
+) -> None:
+    """For one half of a pair on rank ``r``: the send of its output and the receive at its consumer's rank, both keyed
+    ``(e, n, half)`` (the pair's end and completion index), if the hand-off crosses ranks."""
+    s, mb = a.stage, a.microbatch
+    if a.kind is _F:
+        if s + 1 < num_stages and owner[s + 1] != r:
+            q = owner[s + 1]
+            mine.append((e, n, half, _comm_action(s, _SEND_F, mb, q)))
+            comm[q].append((e, n, half, _comm_action(s + 1, _RECV_F, mb, r)))
+    elif s > 0 and owner[s - 1] != r:  # the BW half
+        q = owner[s - 1]
+        mine.append((e, n, half, _comm_action(s, _SEND_B, mb, q)))
+        comm[q].append((e, n, half, _comm_action(s - 1, _RECV_B, mb, r)))
+
+
 def _comm_action(stage: int, kind: Kind, microbatch: int, peer: int) -> Action:
     """``Action(stage, kind, microbatch, peer)`` without re-checking its fields.
 
@@ -275,18 +332,21 @@ def _check_compute_only(schedule: Schedule) -> None:
     S, m, owner = schedule.num_stages, schedule.num_microbatches, schedule.stage_to_rank
     seen = bytearray(S * m * 4)
     for r, acts in enumerate(schedule.ranks):
-        for i, a in enumerate(acts):
-            code = kind_code(a.kind)
-            s, mb = a.stage, a.microbatch
-            if code < 0 or s >= S or mb >= m or owner[s] != r:
-                raise ValueError(
-                    f"cannot lower {schedule.name!r}: rank {r} position {i} ({a}) is not a compute action of a stage "
-                    f"on that rank; run check_and_lower() for the full diagnosis"
-                )
-            key = (s * m + mb) * 4 + code
-            if seen[key]:
-                raise ValueError(f"cannot lower {schedule.name!r}: rank {r} position {i} repeats {a}")
-            seen[key] = 1
+        for i, step in enumerate(acts):
+            if type(step) is PairAction and step.forward.microbatch == step.backward.microbatch:
+                raise ValueError(f"cannot lower {schedule.name!r}: rank {r} position {i} ({step}) pairs one microbatch")
+            for a in (step.forward, step.backward) if type(step) is PairAction else (step,):
+                code = kind_code(a.kind)
+                s, mb = a.stage, a.microbatch
+                if code < 0 or s >= S or mb >= m or owner[s] != r:
+                    raise ValueError(
+                        f"cannot lower {schedule.name!r}: rank {r} position {i} ({step}) is not a compute action of a "
+                        f"stage on that rank; run check_and_lower() for the full diagnosis"
+                    )
+                key = (s * m + mb) * 4 + code
+                if seen[key]:
+                    raise ValueError(f"cannot lower {schedule.name!r}: rank {r} position {i} repeats {a}")
+                seen[key] = 1
 
 
 def lower(schedule: Schedule, *, order: EventOrder | None = None) -> LoweredSchedule:
@@ -311,27 +371,32 @@ def _lower(schedule: Schedule, order: EventOrder | None) -> LoweredSchedule:
             f"run check_and_lower() for the full diagnosis"
         )
     S, owner = schedule.num_stages, schedule.stage_to_rank
-    # Per rank: (end, seq, op) of every comm op it takes part in.  seq is unique within a rank (each producer
-    # makes at most one transfer), so sorting these tuples never compares the actions.
-    comm: list[list[tuple[int, int, Action]]] = [[] for _ in range(schedule.num_ranks)]
+    # Per rank: (end, seq, half, op) of every comm op it takes part in.  (seq, half) is unique within a rank (each
+    # producer makes at most one transfer; a pair's two halves one each), so sorting never compares the actions.
+    comm: list[list[tuple[int, int, int, Action]]] = [[] for _ in range(schedule.num_ranks)]
     for r, acts in enumerate(schedule.ranks):
         end_r, seq_r = order.end[r], order.seq[r]
         mine = comm[r]
         for i, a in enumerate(acts):
-            kind, s = a.kind, a.stage
+            kind = a.kind
             if kind is _F:
+                s = a.stage
                 if s + 1 < S:
                     q = owner[s + 1]
                     if q != r:
                         e, n, mb = end_r[i], seq_r[i], a.microbatch
-                        mine.append((e, n, _comm_action(s, _SEND_F, mb, q)))
-                        comm[q].append((e, n, _comm_action(s + 1, _RECV_F, mb, r)))
-            elif kind is not _W and s > 0:  # B or BW
+                        mine.append((e, n, 0, _comm_action(s, _SEND_F, mb, q)))
+                        comm[q].append((e, n, 0, _comm_action(s + 1, _RECV_F, mb, r)))
+            elif kind is _PAIR:  # both halves' outputs leave at the pair's end: the forward's first
+                _transfers(a.forward, r, end_r[i], seq_r[i], 0, S, owner, mine, comm)
+                _transfers(a.backward, r, end_r[i], seq_r[i], 1, S, owner, mine, comm)
+            elif kind is not _W and a.stage > 0:  # B or BW
+                s = a.stage
                 q = owner[s - 1]
                 if q != r:
                     e, n, mb = end_r[i], seq_r[i], a.microbatch
-                    mine.append((e, n, _comm_action(s, _SEND_B, mb, q)))
-                    comm[q].append((e, n, _comm_action(s - 1, _RECV_B, mb, r)))
+                    mine.append((e, n, 0, _comm_action(s, _SEND_B, mb, q)))
+                    comm[q].append((e, n, 0, _comm_action(s - 1, _RECV_B, mb, r)))
 
     ranks: list[tuple[LoweredStep, ...]] = []
     for r, acts in enumerate(schedule.ranks):
@@ -348,7 +413,7 @@ def _lower(schedule: Schedule, order: EventOrder | None) -> LoweredSchedule:
             k = j + 1
             while k < n_ops and ops[k][0] == t:
                 k += 1
-            steps.append(CommBatch(tuple([op[2] for op in ops[j:k]])))
+            steps.append(CommBatch(tuple([op[3] for op in ops[j:k]])))
             j = k
         steps.extend(acts[i:])
         ranks.append(tuple(steps))

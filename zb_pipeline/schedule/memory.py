@@ -1,9 +1,11 @@
 """Activation memory of a plan: each rank's running sum of memory deltas over its compute actions, and its peak.
 
 Deltas come from ``StageCosts``: ``mem_f``, ``mem_b``, ``mem_w`` per virtual stage, and ``mem_b + mem_w`` for a
-fused ``BW``.  A rank starts at 0; communication actions add nothing.  ``running_memory`` is the one implementation of
-the sum (one rank's actions in order), ``order_peak`` its peak, ``peak_memory`` the peak of every rank of a plan;
-the simulator, the validator and the generators all ask these.
+fused ``BW``.  An overlapped pair (``ir.PairAction``) adds its F's and its BW's; its entry in the running sum is the
+sum inside it, after the F and before the BW frees (the runtime runs them back to back; two streams would hold both
+at once), which is its peak.  A rank starts at 0; communication actions add nothing.  ``running_memory`` is the one
+implementation of the sum (one rank's actions in order), ``order_peak`` its peak, ``peak_memory`` the peak of every
+rank of a plan; the simulator, the validator and the generators all ask these.
 """
 
 from __future__ import annotations
@@ -11,21 +13,23 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.ir import Kind, PlanAction, Schedule
 
 # Enum members as plain constants: the loop compares kinds by identity (hashing a str Enum is slow).
-_F, _B, _W, _BW = Kind.F, Kind.B, Kind.W, Kind.BW
+_F, _B, _W, _BW, _PAIR = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR
 
 
-def running_memory(actions: Iterable[Action], costs: StageCosts) -> list[float]:
+def running_memory(actions: Iterable[PlanAction], costs: StageCosts) -> list[float]:
     """One rank's running sum of memory deltas after each of ``actions`` (a communication action repeats the sum
-    before it): the one place the deltas are summed."""
+    before it; a pair gives the sum inside it, after its F): the one place the deltas are summed."""
     mf, mb, mw = costs.mem_f, costs.mem_b, costs.mem_w
     sums: list[float] = []
     append = sums.append
     cur = 0.0
     for a in actions:
-        k, s = a.kind, a.stage
+        k = a.kind
+        if k is not _PAIR:
+            s = a.stage
         if k is _F:
             cur += mf[s]
         elif k is _B:
@@ -34,16 +38,22 @@ def running_memory(actions: Iterable[Action], costs: StageCosts) -> list[float]:
             cur += mw[s]
         elif k is _BW:
             cur += mb[s] + mw[s]
+        elif k is _PAIR:
+            f, b = a.forward.stage, a.backward.stage
+            inside = cur + mf[f]
+            cur = inside + mb[b] + mw[b]
+            append(max(inside, cur))
+            continue
         append(cur)
     return sums
 
 
-def order_peak(actions: Iterable[Action], costs: StageCosts) -> float:
+def order_peak(actions: Iterable[PlanAction], costs: StageCosts) -> float:
     """One rank's peak of the running sum of memory deltas over ``actions`` in order (0 if it never rises)."""
     return max(0.0, max(running_memory(actions, costs), default=0.0))
 
 
-def first_over(actions: Iterable[Action], costs: StageCosts, limit: float) -> tuple[int, float] | None:
+def first_over(actions: Iterable[PlanAction], costs: StageCosts, limit: float) -> tuple[int, float] | None:
     """The first position in ``actions`` where the running sum exceeds ``limit``, with the sum there (or ``None``)."""
     return next(((i, cur) for i, cur in enumerate(running_memory(actions, costs)) if cur > limit), None)
 

@@ -1,7 +1,8 @@
 """Pictures of schedules: a timeline (PNG/SVG), the same timeline as coloured text, and a comparison chart.
 
 The timeline has one row per rank and one box per compute action, placed at its simulated start and end: a
-colour per kind (F, B, W, BW), a lighter shade for a rank's later chunks, the microbatch number in the box.
+colour per kind (F, B, W, BW), a lighter shade for a rank's later chunks, the microbatch number in the box.  An
+overlapped pair (F+BW) is one box split in two bands, its F's colour above its BW's, labelled ``i+j``.
 Idle time is left as a grey band, so the bubbles are what you see.  Matplotlib runs headless (``Figure`` with
 the Agg canvas; no pyplot state), the file type follows the extension.
 """
@@ -13,10 +14,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zb_pipeline.schedule.ir import Kind, Schedule
+from zb_pipeline.schedule.ir import Kind, PairAction, PlanAction, Schedule
 from zb_pipeline.schedule.simulate import SimResult
 
-KIND_COLORS: dict[Kind, str] = {Kind.F: "#3b6fb6", Kind.B: "#4aa564", Kind.W: "#e39a3b", Kind.BW: "#8a5cb8"}
+KIND_COLORS: dict[Kind, str] = {
+    Kind.F: "#3b6fb6",
+    Kind.B: "#4aa564",
+    Kind.W: "#e39a3b",
+    Kind.BW: "#8a5cb8",
+    Kind.PAIR: "#2f8f83",  # legends and text only: a pair is drawn in its halves' colours
+}
 IDLE_COLOR = "#e6e6e6"
 # ANSI background colours per kind: normal for a rank's first chunk, bright for the others.
 _ANSI_BG: dict[Kind, tuple[str, str]] = {
@@ -24,8 +31,21 @@ _ANSI_BG: dict[Kind, tuple[str, str]] = {
     Kind.B: ("42", "102"),
     Kind.W: ("43", "103"),
     Kind.BW: ("45", "105"),
+    Kind.PAIR: ("46", "106"),
 }
 _KIND_LETTER = {Kind.F: "F", Kind.B: "B", Kind.W: "W", Kind.BW: "X"}
+
+
+def step_stage(step: PlanAction) -> int:
+    """The stage a step's colour shade follows (a pair's: its forward's)."""
+    return step.forward.stage if type(step) is PairAction else step.stage
+
+
+def step_label(step: PlanAction) -> str:
+    """The microbatch number(s) written in a step's box: ``i`` (``i+j`` for a pair)."""
+    if type(step) is PairAction:
+        return f"{step.forward.microbatch}+{step.backward.microbatch}"
+    return str(step.microbatch)
 
 
 def chunk_index(schedule: Schedule) -> dict[int, int]:
@@ -77,17 +97,20 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
         ax.broken_barh([(0, t_end)], (y - 0.4, 0.8), facecolors=IDLE_COLOR, edgecolor="none", zorder=1)
         for ta in tl:
             a = ta.action
-            ci = chunk_of[a.stage]
-            color = shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
-            ax.broken_barh(
-                [(ta.start, ta.duration)],
-                (y - 0.4, 0.8),
-                facecolors=[color],
-                edgecolor="white",
-                linewidth=0.6,
-                zorder=2,
-            )
-            text = str(a.microbatch)
+            ci = chunk_of[step_stage(a)]
+            bands = [(a.forward, y, 0.4), (a.backward, y - 0.4, 0.4)] if type(a) is PairAction else [(a, y - 0.4, 0.8)]
+            for part, y0, h in bands:
+                pci = chunk_of[part.stage]
+                color = shade(KIND_COLORS[part.kind], 0.45 * pci / max(1, chunks - 1) if chunks > 1 else 0.0)
+                ax.broken_barh(
+                    [(ta.start, ta.duration)],
+                    (y0, h),
+                    facecolors=[color],
+                    edgecolor="white",
+                    linewidth=0.6,
+                    zorder=2,
+                )
+            text = step_label(a)
             if ta.duration * px_per_unit >= 6.5 * len(text) + 2:
                 dark_text = ci > 0 and chunks > 1 and a.kind in (Kind.W, Kind.F, Kind.B)
                 ax.text(
@@ -110,10 +133,13 @@ def plot_timeline(result: SimResult, path: str | os.PathLike[str], *, title: str
         ax.spines[side].set_visible(False)
     fig.text(left, 1 - 0.1 / height, title or timeline_title(result), fontsize=11, ha="left", va="top")
 
-    kinds = [
-        k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(ta.action.kind is k for tl in result.timeline for ta in tl)
-    ]
+    ran = {ta.action.kind for tl in result.timeline for ta in tl}
+    if Kind.PAIR in ran:  # its halves' colours
+        ran |= {Kind.F, Kind.BW}
+    kinds = [k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if k in ran]
     handles = [Patch(facecolor=KIND_COLORS[k], label={Kind.BW: "BW (full backward)"}.get(k, k.value)) for k in kinds]
+    if Kind.PAIR in ran:
+        handles.append(Patch(facecolor="white", edgecolor="#555555", label="F+BW pair: F above, BW below"))
     if chunks > 1:
         handles += [Patch(facecolor=shade("#777777", 0.5), label="later chunk (lighter)")]
     handles.append(Patch(facecolor=IDLE_COLOR, label="idle (bubble)"))
@@ -164,13 +190,16 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
             w = c1 - c0
             a = ta.action
             if color:
-                text = str(a.microbatch)
-            else:  # later chunks in lower case
-                letter = _KIND_LETTER[a.kind]
-                text = f"{letter.lower() if chunk_of[a.stage] > 0 else letter}{a.microbatch}"
+                text = step_label(a)
+            else:  # later chunks in lower case; a pair as its two halves, "F5+x2"
+                parts = []
+                for half in (a.forward, a.backward) if type(a) is PairAction else (a,):
+                    letter = _KIND_LETTER[half.kind]
+                    parts.append(f"{letter.lower() if chunk_of[half.stage] > 0 else letter}{half.microbatch}")
+                text = "+".join(parts)
             box = text[:w].center(w)
             if color:
-                bg = _ANSI_BG[a.kind][1 if chunk_of[a.stage] > 0 else 0]
+                bg = _ANSI_BG[a.kind][1 if chunk_of[step_stage(a)] > 0 else 0]
                 cells.append(f"\x1b[{bg};30m{box}\x1b[0m")
             else:
                 cells.append(box if w >= len(text) else "#" * w)
@@ -178,12 +207,15 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
         if col < ncols:
             cells.append(("\x1b[2m" + "." * (ncols - col) + "\x1b[0m") if color else "." * (ncols - col))
         lines.append(f"{f'rank {r}':>{label_col}} |" + "".join(cells) + "|")
+    has_pairs = any(ta.action.kind is Kind.PAIR for ta in all_actions)
     if color:
-        legend = " ".join(f"\x1b[{_ANSI_BG[k][0]};30m {k.value} \x1b[0m" for k in (Kind.F, Kind.B, Kind.W, Kind.BW))
+        shown = (Kind.F, Kind.B, Kind.W, Kind.BW) + ((Kind.PAIR,) if has_pairs else ())
+        legend = " ".join(f"\x1b[{_ANSI_BG[k][0]};30m {k.value} \x1b[0m" for k in shown)
         lines.append(f"{'':>{label_col}}  {legend}  \x1b[2m.\x1b[0m idle   (bright = later chunk)")
     else:
+        pair = " F5+x2=overlapped pair (F then BW)" if has_pairs else ""
         lines.append(
-            f"{'':>{label_col}}  F=forward B=backward(input) W=weight grad X=full backward(BW) .=idle "
+            f"{'':>{label_col}}  F=forward B=backward(input) W=weight grad X=full backward(BW){pair} .=idle "
             "(lower case: later chunk)"
         )
     return "\n".join(lines)

@@ -14,10 +14,11 @@ The format (compute actions only, in execution order per rank)::
       ]
     }
 
-``save_plan`` always writes this exact layout (keys in this order, two-space indent, one line per rank, a final
-newline), so export -> load -> export gives the same bytes.  ``load_plan`` checks the structure -- types, sizes,
-every action string, each action on the rank its stage is placed on, nothing out of range -- and raises
-``PlanFileError`` naming the rank, the position and the problem.  Whether the plan can run (dependencies, the
+An overlapped pair is written ``"1F5+6BW2"`` (``ir.PairAction``).  ``save_plan`` always writes this exact layout
+(keys in this order, two-space indent, one line per rank, a final newline), so export -> load -> export gives the
+same bytes.  ``load_plan`` checks the structure -- types, sizes, every action string, each action on the rank its
+stage is placed on, nothing out of range -- and raises ``PlanFileError`` naming the rank, the position and the
+problem.  Whether the plan can run (dependencies, the
 communication order, memory) is the validator's question, not this module's.
 """
 
@@ -28,7 +29,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zb_pipeline.schedule.ir import Action, Schedule
+from zb_pipeline.schedule.ir import PlanAction, Schedule, halves, parse_action
 
 KEYS: tuple[str, ...] = ("schedule", "num_ranks", "num_stages", "num_microbatches", "stage_to_rank", "ranks")
 
@@ -97,7 +98,7 @@ def plan_from_dict(d: Any) -> Schedule:
     if not isinstance(ranks_in, list) or len(ranks_in) != p:
         got = f"{len(ranks_in)} lists" if isinstance(ranks_in, list) else json.dumps(ranks_in)[:40]
         raise PlanFileError(f'"ranks" must be a list of {p} action lists (one per rank), got {got}')
-    ranks: list[tuple[Action, ...]] = []
+    ranks: list[tuple[PlanAction, ...]] = []
     for r, acts_in in enumerate(ranks_in):
         if not isinstance(acts_in, list):
             raise PlanFileError(f"rank {r}: expected a list of action strings, got {json.dumps(acts_in)[:40]}")
@@ -107,24 +108,26 @@ def plan_from_dict(d: Any) -> Schedule:
             if not isinstance(text, str):
                 raise PlanFileError(f"{where}: expected an action string such as '0F0', got {json.dumps(text)}")
             try:
-                a = Action.parse(text)
+                step = parse_action(text)
             except ValueError as e:
                 raise PlanFileError(f"{where}: {e}") from None
-            if str(a) != text:
-                raise PlanFileError(f"{where}: write {text!r} as {str(a)!r} (no spaces or leading zeros)")
-            if not a.kind.is_compute:
+            if str(step) != text:
+                raise PlanFileError(f"{where}: write {text!r} as {str(step)!r} (no spaces or leading zeros)")
+            if not step.kind.is_compute:
                 raise PlanFileError(f"{where}: {text!r} is a communication action; plan files hold compute only")
-            if a.stage >= S:
-                raise PlanFileError(f"{where}: {text!r} names stage {a.stage}, but stages are 0..{S - 1}")
-            if a.microbatch >= m:
-                raise PlanFileError(
-                    f"{where}: {text!r} names microbatch {a.microbatch}, but microbatches are 0..{m - 1}"
-                )
-            if placement[a.stage] != r:
-                raise PlanFileError(
-                    f"{where}: {text!r} runs stage {a.stage}, which stage_to_rank places on rank {placement[a.stage]}"
-                )
-            acts.append(a)
+            for a in halves(step):
+                if a.stage >= S:
+                    raise PlanFileError(f"{where}: {text!r} names stage {a.stage}, but stages are 0..{S - 1}")
+                if a.microbatch >= m:
+                    raise PlanFileError(
+                        f"{where}: {text!r} names microbatch {a.microbatch}, but microbatches are 0..{m - 1}"
+                    )
+                if placement[a.stage] != r:
+                    raise PlanFileError(
+                        f"{where}: {text!r} runs stage {a.stage}, which stage_to_rank places on rank "
+                        f"{placement[a.stage]}"
+                    )
+            acts.append(step)
         ranks.append(tuple(acts))
     return Schedule(name=name, num_ranks=p, num_stages=S, num_microbatches=m, stage_to_rank=placement, ranks=ranks)
 

@@ -41,7 +41,7 @@ from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 
 PV_FORWARD, PV_BACK = 0, 1  # the ``microbatch`` field of a post-validation action: which chain it belongs to
 PV_KINDS: frozenset[Kind] = frozenset({Kind.SEND_PV, Kind.RECV_PV})
-_BACKWARD_KINDS = frozenset({Kind.B, Kind.BW, Kind.W})
+_BACKWARD_KINDS = frozenset({Kind.B, Kind.BW, Kind.W, Kind.PAIR})
 _SENDS = frozenset({Kind.SEND_F, Kind.SEND_B, Kind.SEND_PV})
 
 

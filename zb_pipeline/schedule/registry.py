@@ -24,7 +24,7 @@ GeneratorFn = Callable[..., Schedule]
 
 BUILTIN_PACKAGE = "zb_pipeline.schedule.generators"
 # Modules under zb_pipeline/schedule/generators/ that register built-in schedules.
-_BUILTIN_MODULES: tuple[str, ...] = ("classic", "zero_bubble", "zb_auto", "v_shape", "interleaved_zb")
+_BUILTIN_MODULES: tuple[str, ...] = ("classic", "zero_bubble", "zb_auto", "v_shape", "interleaved_zb", "dualpipe_v")
 
 
 @dataclass(frozen=True)

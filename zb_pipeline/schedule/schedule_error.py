@@ -54,7 +54,7 @@ def plan_error(
 # ----------------------------------------------------------------------------------------------------- grid
 
 
-_COLORS = {Kind.F: "34", Kind.B: "32", Kind.W: "33", Kind.BW: "36"}
+_COLORS = {Kind.F: "34", Kind.B: "32", Kind.W: "33", Kind.BW: "36", Kind.PAIR: "35"}
 
 
 def _cell(step: Action | CommBatch) -> str:

@@ -10,8 +10,10 @@ later of (a) the end of the previous action on its rank and (b) the end of each 
 - ``W(s, mb)`` needs ``B(s, mb)``.
 
 Durations: ``F`` costs ``costs.f[s]``, ``B`` costs ``costs.b[s]``, ``W`` costs ``costs.w[s]``, ``BW`` costs
-``b + w``.  Memory: a rank's running sum of ``mem_f`` / ``mem_b`` / ``mem_w`` over its actions in order
-(``memory.peak_memory``).
+``b + w``.  An overlapped pair (``ir.PairAction``: an ``F`` and a ``BW`` run together) starts once the inputs of both
+halves are there, costs ``StageCosts.pair`` (the sum of its parts by default; ``overlap * (f + b + w)``, but never
+less than its longer half, with an overlap factor), and both of its outputs exist at its end.  Memory: a rank's
+running sum of ``mem_f`` / ``mem_b`` / ``mem_w`` over its actions in order (``memory.peak_memory``).
 
 The simulation is a single pass over the actions (each rank resumes only when the one action it waits for
 ends), so it runs in O(number of actions): fast enough for search loops over p = 64, m = 512 plans.
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.ir import Action, Kind, PlanAction, Schedule
 from zb_pipeline.schedule.memory import check_costs_match, peak_memory
 
 # Keys of "this happened" events: (stage * m + microbatch) * 3 + slot.
@@ -32,7 +34,7 @@ _SLOT_F = 0  # F(s, mb) ended
 _SLOT_G = 1  # input gradient of (s, mb) ready: B or BW ended
 _SLOT_W = 2  # W(s, mb) ended (or the W half of a BW)
 # Enum members as plain constants: the loop compares kinds by identity (hashing a str Enum is slow).
-_F, _B, _W, _BW = Kind.F, Kind.B, Kind.W, Kind.BW
+_F, _B, _W, _BW, _PAIR = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR
 _new, _set = object.__new__, object.__setattr__
 
 
@@ -42,7 +44,7 @@ class TimedAction:
 
     rank: int
     index: int  # position in the rank's plan (compute and comm actions counted as in ``schedule.ranks``)
-    action: Action
+    action: PlanAction
     start: float
     end: float
 
@@ -51,7 +53,7 @@ class TimedAction:
         return self.end - self.start
 
 
-def _timed(rank: int, index: int, action: Action, start: float, end: float) -> TimedAction:
+def _timed(rank: int, index: int, action: PlanAction, start: float, end: float) -> TimedAction:
     """``TimedAction(...)`` without the frozen dataclass's per-field ``__init__`` overhead (hot loop)."""
     ta = _new(TimedAction)
     d = ta.__dict__
@@ -70,21 +72,26 @@ class SimResult:
     bubble_rate: float  # 1 - max_rank(total compute) / makespan
     peak_memory: tuple[float, ...]  # per rank, under StageCosts' mem deltas
     rank_compute: tuple[float, ...] = ()  # total busy time per rank
-    _by_action: dict[Action, TimedAction] = field(default_factory=dict, repr=False, compare=False)
+    _by_action: dict[PlanAction, TimedAction] = field(default_factory=dict, repr=False, compare=False)
 
-    def timed(self, action: Action) -> TimedAction:
-        """The timed entry of ``action`` (the lookup table is built on first use)."""
+    def timed(self, action: PlanAction) -> TimedAction:
+        """The timed entry of ``action`` (a half of a pair: the pair's entry; the lookup table is built on first
+        use)."""
         if not self._by_action:
-            self._by_action.update((ta.action, ta) for tl in self.timeline for ta in tl)
+            for tl in self.timeline:
+                for ta in tl:
+                    self._by_action[ta.action] = ta
+                    if ta.action.kind is _PAIR:
+                        self._by_action[ta.action.forward] = self._by_action[ta.action.backward] = ta
         try:
             return self._by_action[action]
         except KeyError:
             raise KeyError(f"action {action} is not in schedule {self.schedule.name!r}") from None
 
-    def start(self, action: Action) -> float:
+    def start(self, action: PlanAction) -> float:
         return self.timed(action).start
 
-    def end(self, action: Action) -> float:
+    def end(self, action: PlanAction) -> float:
         return self.timed(action).end
 
     @property
@@ -94,35 +101,45 @@ class SimResult:
 
 
 def _check_plan(schedule: Schedule) -> None:
-    """Every compute action in range, on its stage's rank, and no work done twice (B and BW, W and BW)."""
+    """Every compute action in range, on its stage's rank, and no work done twice (B and BW, W and BW); a pair's
+    halves hold different microbatches."""
     S, m = schedule.num_stages, schedule.num_microbatches
     placement = schedule.stage_to_rank
     seen = bytearray(S * m * 3)
     for r, acts in enumerate(schedule.ranks):
-        for i, a in enumerate(acts):
-            k, s, mb = a.kind, a.stage, a.microbatch
-            if k is _F:
-                slots: tuple[int, ...] = (_SLOT_F,)
-            elif k is _B:
-                slots = (_SLOT_G,)
-            elif k is _W:
-                slots = (_SLOT_W,)
-            elif k is _BW:
-                slots = (_SLOT_G, _SLOT_W)
+        for i, step in enumerate(acts):
+            if step.kind is _PAIR:
+                if step.forward.microbatch == step.backward.microbatch:
+                    raise ValueError(f"rank {r} position {i}: {step} pairs the F and the BW of one microbatch")
+                todo: tuple[Action, ...] = (step.forward, step.backward)
             else:
-                continue
-            if s >= S or mb >= m:
-                raise ValueError(
-                    f"rank {r} position {i}: {a} is outside the plan (stages 0..{S - 1}, microbatches 0..{m - 1})"
-                )
-            if placement[s] != r:
-                raise ValueError(f"rank {r} position {i}: {a} belongs to stage {s} on rank {placement[s]}")
-            base = (s * m + mb) * 3
-            for slot in slots:
-                if seen[base + slot]:
-                    what = ("F", "B", "W")[slot]
-                    raise ValueError(f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}")
-                seen[base + slot] = 1
+                todo = (step,)
+            for a in todo:
+                k, s, mb = a.kind, a.stage, a.microbatch
+                if k is _F:
+                    slots: tuple[int, ...] = (_SLOT_F,)
+                elif k is _B:
+                    slots = (_SLOT_G,)
+                elif k is _W:
+                    slots = (_SLOT_W,)
+                elif k is _BW:
+                    slots = (_SLOT_G, _SLOT_W)
+                else:
+                    continue
+                if s >= S or mb >= m:
+                    raise ValueError(
+                        f"rank {r} position {i}: {a} is outside the plan (stages 0..{S - 1}, microbatches 0..{m - 1})"
+                    )
+                if placement[s] != r:
+                    raise ValueError(f"rank {r} position {i}: {a} belongs to stage {s} on rank {placement[s]}")
+                base = (s * m + mb) * 3
+                for slot in slots:
+                    if seen[base + slot]:
+                        what = ("F", "B", "W")[slot]
+                        raise ValueError(
+                            f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}"
+                        )
+                    seen[base + slot] = 1
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[float] | None = None) -> SimResult:
@@ -179,7 +196,37 @@ def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[lis
         n = len(acts)
         while i < n:
             a = acts[i]
-            k, s = a.kind, a.stage
+            k = a.kind
+            if k is _PAIR:
+                fa, ba = a.forward, a.backward
+                fbase, bbase = (fa.stage * m + fa.microbatch) * 3, (ba.stage * m + ba.microbatch) * 3
+                deps = [fbase - step] if fa.stage > 0 else []
+                deps.append(bbase)
+                if ba.stage < S - 1:
+                    deps.append(bbase + step + _SLOT_G)
+                start = t_rank
+                missing = next((d for d in deps if done_time[d] < 0), -1)
+                if missing >= 0:
+                    waiting.setdefault(missing, []).append(r)
+                    blocked_on[r] = missing
+                    break
+                for d in deps:
+                    t = done_time[d] + (comm if done_rank[d] != r else 0.0)
+                    if t > start:
+                        start = t
+                dur = costs.pair(fa.stage, ba.stage)
+                end = start + dur
+                out.append(_timed(r, i, a, start, end))
+                t_rank = end
+                work += dur
+                for key in (fbase + _SLOT_F, bbase + _SLOT_G, bbase + _SLOT_W):
+                    done_time[key] = end
+                    done_rank[key] = r
+                    if key in waiting:
+                        ready.extend(waiting.pop(key))
+                i += 1
+                continue
+            s = a.stage
             base = (s * m + a.microbatch) * 3
             # dep1 / dep2: event keys this action waits for (-1: none).
             if k is _F:

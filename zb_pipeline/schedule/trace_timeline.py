@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.ir import Action, Kind, PlanAction, Schedule
 from zb_pipeline.schedule.plan_file import plan_from_dict
 from zb_pipeline.schedule.simulate import SimResult, simulate
 
@@ -150,7 +150,7 @@ def plot_trace_vs_plan(
     """Draw one iteration of the trace above the plan simulated with the measured costs; save PNG/SVG."""
     from matplotlib.figure import Figure
 
-    from zb_pipeline.schedule.pictures import KIND_COLORS, chunk_index, shade
+    from zb_pipeline.schedule.pictures import KIND_COLORS, chunk_index, shade, step_stage
 
     schedule = schedule or plan_of(doc)
     if schedule is None:
@@ -166,8 +166,8 @@ def plot_trace_vs_plan(
     fig = Figure(figsize=(width, height), dpi=110)
     chunk_of, chunks = chunk_index(schedule), schedule.chunks
 
-    def color(a: Action) -> tuple[float, float, float]:
-        ci = chunk_of[a.stage]
+    def color(a: PlanAction) -> tuple[float, float, float]:  # a planned pair (measured: its halves) in one colour
+        ci = chunk_of[step_stage(a)]
         return shade(KIND_COLORS[a.kind], 0.45 * ci / max(1, chunks - 1) if chunks > 1 else 0.0)
 
     px_per_ms = width * 0.9 * fig.dpi / t_end
@@ -195,7 +195,7 @@ def plot_trace_vs_plan(
         0.07, 1 - 0.12 / height, f"{s.name}: p={s.num_ranks} m={s.num_microbatches} chunks={s.chunks} -- trace vs plan",
         fontsize=11, ha="left", va="top",
     )  # fmt: skip
-    handles = _legend_handles(measured)
+    handles = _legend_handles(measured, pairs=any(a.kind is Kind.PAIR for acts in schedule.ranks for a in acts))
     fig.legend(handles=handles, loc="upper right", bbox_to_anchor=(0.97, 1 - 0.08 / height), ncol=len(handles),
                fontsize=8, frameon=False)  # fmt: skip
     fig.savefig(os.fspath(path))
@@ -215,7 +215,7 @@ def _pick_iteration(doc: Mapping[str, Any], iteration: int | None) -> int:
 
 def _draw_rows(
     ax: Any,
-    rows: Sequence[Sequence[tuple[float, float, Action]]],
+    rows: Sequence[Sequence[tuple[float, float, PlanAction]]],
     waits: Sequence[Sequence[Any]] | None,
     *,
     p: int,
@@ -225,17 +225,16 @@ def _draw_rows(
 ) -> None:
     """One panel: a bar per action (microbatch written where it fits) over an idle band per rank, receive waits
     hatched; rank 0 on top."""
-    from zb_pipeline.schedule.pictures import IDLE_COLOR
+    from zb_pipeline.schedule.pictures import IDLE_COLOR, step_label
 
     for r, row in enumerate(rows):
         y = p - 1 - r
         ax.broken_barh([(0, t_end)], (y - 0.4, 0.8), facecolors=IDLE_COLOR, edgecolor="none", zorder=1)
         for start, dur, a in row:
             ax.broken_barh([(start, dur)], (y - 0.4, 0.8), facecolors=[color(a)], edgecolor="white", lw=0.5, zorder=2)
-            if dur * px_per_ms >= 7 * len(str(a.microbatch)) + 2:
-                ax.text(
-                    start + dur / 2, y, str(a.microbatch), ha="center", va="center", fontsize=7, color="white", zorder=3
-                )
+            label = step_label(a)
+            if dur * px_per_ms >= 7 * len(label) + 2:
+                ax.text(start + dur / 2, y, label, ha="center", va="center", fontsize=7, color="white", zorder=3)
         for w in waits[r] if waits is not None else ():
             ax.broken_barh(
                 [(w.start, w.duration)], (y - 0.4, 0.8), facecolors="none", edgecolor="#c0392b", hatch="////",
@@ -250,8 +249,8 @@ def _draw_rows(
         ax.spines[side].set_visible(False)
 
 
-def _legend_handles(measured: MeasuredIteration) -> list[Any]:
-    """Legend entries: the kinds the trace ran, receive waits, idle."""
+def _legend_handles(measured: MeasuredIteration, *, pairs: bool = False) -> list[Any]:
+    """Legend entries: the kinds the trace ran (and the plan's F+BW pairs), receive waits, idle."""
     from matplotlib.patches import Patch
 
     from zb_pipeline.schedule.pictures import IDLE_COLOR, KIND_COLORS
@@ -260,6 +259,8 @@ def _legend_handles(measured: MeasuredIteration) -> list[Any]:
         k for k in (Kind.F, Kind.B, Kind.W, Kind.BW) if any(sp.action.kind is k for r in measured.compute for sp in r)
     ]
     handles = [Patch(facecolor=KIND_COLORS[k], label=k.value) for k in kinds]
+    if pairs:
+        handles.append(Patch(facecolor=KIND_COLORS[Kind.PAIR], label="F+BW pair (planned)"))
     handles += [
         Patch(facecolor="none", edgecolor="#c0392b", hatch="////", label="waiting for a receive"),
         Patch(facecolor=IDLE_COLOR, label="idle"),

@@ -4,7 +4,8 @@
 
 1. *Structure*: compute actions only, stages and microbatches in range, every action on the rank that owns its
    stage, nothing twice; then *counts*: every (stage, microbatch) has exactly one F and either one B and one W or
-   one BW.
+   one BW.  An overlapped pair (``ir.PairAction``) counts as its F and its BW, both at its position, and must hold
+   two different microbatches (a backward cannot overlap the forward it needs).
 2. *Dependencies within a rank*, by position: F of ``s`` after F of ``s - 1``; B after its own F and after the B
    (or BW) of ``s + 1`` (after its own F on the last stage); W after its B.
 3. *Dependencies across ranks*: the plan is run once (``lowering.event_order``); if some ranks wait on each other
@@ -26,18 +27,18 @@ the rank x step grid with the failing step in ``[brackets]``.  Everything is O(n
 from __future__ import annotations
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.ir import Action, Kind, PairAction, Schedule
 from zb_pipeline.schedule.lowered_checks import check_lowered_comms
 from zb_pipeline.schedule.lowering import (
     SLOT_F,
     SLOT_G,
     EventOrder,
     LoweredSchedule,
-    action_deps,
     event_order,
     kind_code,
     lower,
     no_gc,
+    step_deps,
 )
 from zb_pipeline.schedule.memory import first_over, peak_memory
 from zb_pipeline.schedule.schedule_error import MAX_STUCK_LISTED, ScheduleError, plan_error, render_grid
@@ -100,27 +101,39 @@ def _check_structure(schedule: Schedule) -> list[int]:
         return f"rank {r} position {i} ({schedule.ranks[r][i]})"
 
     for r, acts in enumerate(schedule.ranks):
-        for i, a in enumerate(acts):
-            if not isinstance(a, Action):
-                raise plan_error(schedule, f"rank {r} position {i}: {a!r} is not an Action", r, i)
-            code = kind_code(a.kind)
-            s, mb = a.stage, a.microbatch
-            if code < 0:
-                raise plan_error(
-                    schedule, f"{at(r, i)}: plans hold compute actions only (lowering adds communication)", r, i
-                )
-            if s >= S:
-                raise plan_error(schedule, f"{at(r, i)}: stage {s} is out of range 0..{S - 1}", r, i)
-            if mb >= m:
-                raise plan_error(schedule, f"{at(r, i)}: microbatch {mb} is out of range 0..{m - 1}", r, i)
-            if owner[s] != r:
-                raise plan_error(
-                    schedule, f"{at(r, i)}: stage {s} lives on rank {owner[s]} (stage_to_rank), not {r}", r, i
-                )
-            key = (s * m + mb) * 4 + code
-            if where[key] >= 0:
-                raise plan_error(schedule, f"{at(r, i)}: duplicate; {a} already ran at position {where[key]}", r, i)
-            where[key] = i
+        for i, step in enumerate(acts):
+            if type(step) is PairAction:
+                if step.forward.microbatch == step.backward.microbatch:
+                    msg = (
+                        f"{at(r, i)}: a pair overlaps the F and the BW of one microbatch ({step.forward.microbatch}); "
+                        "the backward needs the forward's result"
+                    )
+                    raise plan_error(schedule, msg, r, i)
+                todo: tuple = (step.forward, step.backward)
+            else:
+                todo = (step,)
+            for a in todo:
+                if not isinstance(a, Action):
+                    raise plan_error(schedule, f"rank {r} position {i}: {a!r} is not an Action", r, i)
+                code = kind_code(a.kind)
+                s, mb = a.stage, a.microbatch
+                if code < 0:
+                    raise plan_error(
+                        schedule, f"{at(r, i)}: plans hold compute actions only (lowering adds communication)", r, i
+                    )
+                if s >= S:
+                    raise plan_error(schedule, f"{at(r, i)}: stage {s} is out of range 0..{S - 1}", r, i)
+                if mb >= m:
+                    raise plan_error(schedule, f"{at(r, i)}: microbatch {mb} is out of range 0..{m - 1}", r, i)
+                if owner[s] != r:
+                    raise plan_error(
+                        schedule, f"{at(r, i)}: stage {s} lives on rank {owner[s]} (stage_to_rank), not {r}", r, i
+                    )
+                key = (s * m + mb) * 4 + code
+                if where[key] >= 0:
+                    msg = f"{at(r, i)}: duplicate; {a} already ran at position {where[key]}"
+                    raise plan_error(schedule, msg, r, i)
+                where[key] = i
 
     for s in range(S):
         o = owner[s]
@@ -153,7 +166,7 @@ def _check_dependencies(schedule: Schedule, where: list[int]) -> EventOrder:
     # An action placed before something it needs on its own rank is the most specific diagnosis.
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            for ev in action_deps(a.kind, a.stage, a.microbatch, S, m):
+            for ev in step_deps(a, S, m):
                 key = _event_action(ev, where)
                 if owner[key // 4 // m] == r and where[key] > i:
                     msg = (
