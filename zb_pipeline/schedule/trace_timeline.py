@@ -260,7 +260,7 @@ def _legend_handles(measured: MeasuredIteration, *, pairs: bool = False) -> list
     ]
     handles = [Patch(facecolor=KIND_COLORS[k], label=k.value) for k in kinds]
     if pairs:
-        handles.append(Patch(facecolor=KIND_COLORS[Kind.PAIR], label="F+BW pair (planned)"))
+        handles.append(Patch(facecolor=KIND_COLORS[Kind.PAIR], label="F+BW pair"))
     handles += [
         Patch(facecolor="none", edgecolor="#c0392b", hatch="////", label="waiting for a receive"),
         Patch(facecolor=IDLE_COLOR, label="idle"),
