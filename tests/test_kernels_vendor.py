@@ -9,6 +9,7 @@ GEMM in a FIFO, ``backward_dw()`` pops the oldest) and ``fuse_wgrad_accumulation
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -146,12 +147,17 @@ class FakeLayerNormMLP(_FakeTEModule):
         return self._linear(y, "fc2_")
 
 
-def _fake_te(monkeypatch, version="2.4.0"):
+def _fake_te_module(version: str = "2.4.0") -> types.ModuleType:
     te = types.ModuleType("transformer_engine")
     te.__version__ = version
     te.pytorch = types.ModuleType("transformer_engine.pytorch")
     te.pytorch.Linear, te.pytorch.LayerNormLinear = FakeLinear, FakeLayerNormLinear
     te.pytorch.LayerNormMLP = FakeLayerNormMLP
+    return te
+
+
+def _fake_te(monkeypatch, version="2.4.0"):
+    te = _fake_te_module(version)
     monkeypatch.setitem(sys.modules, "transformer_engine", te)
     monkeypatch.setitem(sys.modules, "transformer_engine.pytorch", te.pytorch)
     monkeypatch.setattr(_FakeTEModule, "calls", [])
@@ -175,6 +181,35 @@ def _fake_apex(monkeypatch):
 def _model(**kw) -> GPTConfig:
     return GPTConfig(**{"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 64,
                         "seq_length": 8, "attention_dropout": 0.0, "hidden_dropout": 0.0, **kw})  # fmt: skip
+
+
+# TE parameter -> local parameter within a layer
+TE_TO_LOCAL = {
+    "qkv.inner.weight": "self_attention.linear_qkv.weight",
+    "qkv.inner.bias": "self_attention.linear_qkv.bias",
+    "qkv.inner.layer_norm_weight": "input_layernorm.weight",
+    "qkv.inner.layer_norm_bias": "input_layernorm.bias",
+    "proj.inner.weight": "self_attention.linear_proj.weight",
+    "proj.inner.bias": "self_attention.linear_proj.bias",
+    "mlp.inner.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.inner.layer_norm_bias": "pre_mlp_layernorm.bias",
+    "mlp.inner.fc1_weight": "mlp.linear_fc1.weight",
+    "mlp.inner.fc1_bias": "mlp.linear_fc1.bias",
+    "mlp.inner.fc2_weight": "mlp.linear_fc2.weight",
+    "mlp.inner.fc2_bias": "mlp.linear_fc2.bias",
+}
+
+
+def _local_name(name: str) -> str:
+    """``layers.3.mlp.inner.fc1_weight`` -> ``layers.3.mlp.linear_fc1.weight`` (other names unchanged)."""
+    parts = name.split(".", 2)
+    if parts[0] == "layers" and len(parts) == 3 and parts[2] in TE_TO_LOCAL:
+        return f"layers.{parts[1]}.{TE_TO_LOCAL[parts[2]]}"
+    return name
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.main_grad if getattr(p, "zb_deferrable", False) else p.grad
 
 
 def _stage(cfg):
@@ -297,23 +332,8 @@ def test_transformer_engine_layers_defer_backward_dw_to_w(monkeypatch, normaliza
     if not swiglu:
         return
     local = dict(ref.named_parameters())
-    te_names = {  # TE parameter -> local parameter, per layer
-        "qkv.inner.weight": "self_attention.linear_qkv.weight",
-        "qkv.inner.layer_norm_weight": "input_layernorm.weight",
-        "proj.inner.weight": "self_attention.linear_proj.weight",
-        "mlp.inner.layer_norm_weight": "pre_mlp_layernorm.weight",
-        "mlp.inner.fc1_weight": "mlp.linear_fc1.weight",
-        "mlp.inner.fc2_weight": "mlp.linear_fc2.weight",
-        "qkv.inner.bias": "self_attention.linear_qkv.bias",
-        "mlp.inner.fc2_bias": "mlp.linear_fc2.bias",
-    }
     for name, p in stage.named_parameters():
-        layer, rest = name.split(".", 2)[1], name.split(".", 2)[2]
-        q = local[f"layers.{layer}.{te_names[rest]}"] if rest in te_names else None
-        if q is None:
-            continue
-        got = p.main_grad if getattr(p, "zb_deferrable", False) else p.grad
-        want = q.main_grad if getattr(q, "zb_deferrable", False) else q.grad
+        got, want = _grad(p), _grad(local[_local_name(name)])
         torch.testing.assert_close(got, 2 * want, rtol=1e-4, atol=1e-5, msg=name)  # two microbatches
 
 
@@ -342,3 +362,59 @@ def test_transformer_engine_without_a_store_runs_backward_dw_at_once(monkeypatch
     stage(torch.randn(8, 2, 32)).sum().backward()
     assert len(_FakeTEModule.calls) == 3
     assert all(float(p.main_grad.abs().sum()) > 0 for p in stage.parameters() if getattr(p, "zb_deferrable", False))
+
+
+def _te_pipeline_rank(rank: int, world_size: int, schedule: str) -> dict:
+    """Local and TE (fake) GPT stages through the pipeline runtime on gloo: losses and gradients by global name."""
+    from datetime import timedelta
+
+    from model_configs import pipeline_config
+
+    from megatron.parallel.context import ParallelContext
+    from megatron.pipeline import ScheduleConfig, build_gpt_pipeline
+
+    torch.set_num_threads(1)
+    te = _fake_te_module()
+    sys.modules["transformer_engine"], sys.modules["transformer_engine.pytorch"] = te, te.pytorch
+    cfg = ScheduleConfig(schedule=schedule, p2p_check=True)
+    chunks = cfg.chunks(num_layers=4, pp=world_size)
+    placement = "v" if schedule == "zb-v" else "loop"
+    ctx = ParallelContext.initialize(pp=world_size, timeout=timedelta(seconds=30), chunks=chunks, placement=placement)
+    model = dataclasses.replace(pipeline_config(4, tied=False), swiglu=True)
+    batches = []
+    for k in range(3):
+        t = torch.randint(0, 61, (2, 7), generator=torch.Generator().manual_seed(500 + k))
+        batches.append(
+            {"tokens": t[:, :-1].contiguous(), "labels": t[:, 1:].contiguous(), "loss_mask": torch.ones(2, 6)}
+        )
+    out = {}
+    for impl in ("local", "transformer_engine"):
+        pipe = build_gpt_pipeline(ctx, model, cfg, num_microbatches=3, micro_batch_size=2, seed=11)
+        for stage in pipe.stages.values():
+            apply_kernels(stage, KernelSelection(transformer_impl=impl))
+            for p in stage.parameters():
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        total = pipe.forward_backward(batches)
+        grads = {}
+        for stage in pipe.stages.values():
+            for n, p in stage.named_parameters():
+                grads[_local_name(stage.global_name(n))] = _grad(p).clone().numpy()
+        out[impl] = {"total": total.item(), "grads": grads}
+    out["backward_dw_calls"] = len(_FakeTEModule.calls)
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_transformer_engine_layers_in_a_zero_bubble_pipeline(schedule):
+    """W runs TE's backward_dw in the runtime's W actions, in B's order per module, and the gradients are the local
+    layers' (ZB-H1: one chunk per rank; ZB-V: two, W interleaved across them)."""
+    from zb_pipeline.testing import run_multiprocess
+
+    results = run_multiprocess(_te_pipeline_rank, 2, args=(schedule,), timeout_s=120)
+    for r in results:
+        assert r["transformer_engine"]["total"] == pytest.approx(r["local"]["total"], rel=1e-6)
+        assert r["backward_dw_calls"] == 3 * 2 * 3  # 3 TE modules x 2 layers per rank x 3 microbatches
+        assert set(r["transformer_engine"]["grads"]) == set(r["local"]["grads"])
+        for name, want in r["local"]["grads"].items():
+            got = r["transformer_engine"]["grads"][name]
+            torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), rtol=1e-4, atol=1e-6, msg=name)
