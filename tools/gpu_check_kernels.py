@@ -87,7 +87,8 @@ def _fwd_bwd(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], dy
     return [out.detach()] + [t.grad for t in leaves if t.is_floating_point()]
 
 
-def _case_results(name, shape, fused, unfused, reference, timer, dtype_name, target, target_name) -> dict:
+def _case_results(name, shape, fused, unfused, reference, timer, dtype_name, target, target_name, timed=None) -> dict:
+    """Check and time one case; ``timed``: ``(fused, unfused)`` to time instead of the checked callables."""
     t0 = time.perf_counter()
     got = [t.clone() for t in fused()]  # the W cases return their (reused) main_grad
     if timer.cuda:
@@ -103,7 +104,8 @@ def _case_results(name, shape, fused, unfused, reference, timer, dtype_name, tar
         tol = TOLERANCE[dtype_name]
         correct = all(e <= max(tol, 2 * b) for e, b in zip(errs, base_errs))
     correct = correct and len(got) == len(ref)
-    fused_s, torch_s = timer.median(fused), timer.median(unfused)
+    fused_t, unfused_t = timed if timed is not None else (fused, unfused)
+    fused_s, torch_s = timer.median(fused_t), timer.median(unfused_t)
     ratio = fused_s / torch_s if torch_s > 0 else None
     return {
         "name": name,
@@ -146,7 +148,13 @@ def _w_cases(s: Shapes, device, dtype):
             return [start + gy.t().float().mm(x.float())]
 
         shape = f"main_grad [{out_f}, {in_f}] += grad_y[{s.tokens}, {out_f}]^T @ x[{s.tokens}, {in_f}]"
-        yield f"W kernel ({label})", shape, fused, unfused, reference, W_TARGET, "no slower than cuBLAS GEMM + fp32 add"
+        # timed without the reset copy of main_grad: W accumulates into it, as in training
+        timed = (
+            lambda m=main, g=gy, x=x: accumulate_weight_grad(m, g, x),
+            lambda m=main, g=gy, x=x: m.add_(g.t().mm(x)),
+        )
+        target_name = "no slower than cuBLAS GEMM + fp32 add"
+        yield f"W kernel ({label})", shape, fused, unfused, reference, W_TARGET, target_name, timed
 
 
 def _op_cases(s: Shapes, device, dtype):
@@ -194,7 +202,7 @@ def _op_cases(s: Shapes, device, dtype):
         def reference(f=torch_fn, i=inputs, g=grad):
             return _fwd_bwd(f, [t.float() if t.is_floating_point() else t for t in i], g.float())
 
-        yield name, shape, fused, unfused, reference, FUSED_TARGET, "fused within 3% of torch or faster"
+        yield name, shape, fused, unfused, reference, FUSED_TARGET, "fused within 3% of torch or faster", None
 
 
 def run_cases(shapes: Shapes, *, device: str, dtype: str, warmup: int, repeats: int, out: str | None) -> dict:
@@ -215,10 +223,10 @@ def run_cases(shapes: Shapes, *, device: str, dtype: str, warmup: int, repeats: 
             report["errors"].append(f"{family.__name__}: {type(exc).__name__}: {exc}")
             save()
             continue
-        for name, shape, fused, unfused, reference, target, target_name in cases:
+        for name, shape, fused, unfused, reference, target, target_name, timed in cases:
             try:
                 report["cases"].append(
-                    _case_results(name, shape, fused, unfused, reference, timer, dtype, target, target_name)
+                    _case_results(name, shape, fused, unfused, reference, timer, dtype, target, target_name, timed)
                 )
             except Exception as exc:  # noqa: BLE001
                 tb = traceback.format_exc(limit=3).strip().splitlines()[-1]
