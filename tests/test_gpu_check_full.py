@@ -191,3 +191,13 @@ def test_full_without_cuda_one_line_and_exit_0(capsys, tmp_path):
     assert gc.main(["--full", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "no CUDA" in out and not os.listdir(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_full_check_on_cuda(tmp_path):
+    """The whole prepared check on this machine's GPU (about 5 minutes): every step passes."""
+    rc = gc.main(["--full", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert rc == 0, [(s["name"], s["status"], s["problems"]) for s in report["steps"]]
+    assert any(line.startswith("train_nccl") for line in report["coverage"]["nccl"])
