@@ -8,7 +8,12 @@ import sys
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+
+from megatron.kernels.triton_runtime import import_triton, triton_importable
+
+if triton_importable():  # Triton chooses compiling or interpreting at its first import, and FlopCounterMode imports
+    import_triton()  # it: let megatron.kernels choose first, or every later kernel test in this session fails
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 

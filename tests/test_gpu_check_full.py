@@ -34,7 +34,8 @@ saved checkpoint at iteration       4 to /tmp/x/checkpoint
 
 def test_plan_fits_five_minutes_and_its_commands_parse(tmp_path):
     steps = full.plan(str(tmp_path))
-    assert [s.name for s in steps] == ["kernels", "stage", "train_nccl", "resume_nccl", "pp2_gloo"]
+    assert [s.name for s in steps] == ["kernels", "stage", "train_nccl", "train_nccl_torch", "resume_nccl", "pp2_gloo"]
+    assert steps[3].only_if_failed == "train_nccl" and steps[3].command[-2:] == ["--kernels", "torch"]
     assert full.BUDGET_S <= 290 and all(s.timeout_s <= full.BUDGET_S for s in steps)
     root = os.path.dirname(full.__file__)
     for s in steps:
@@ -108,6 +109,7 @@ def test_run_full_reports_every_step_even_failed_timed_out_and_skipped(tmp_path)
         full.Step("kernels", "kernels", ["k"], 100, "cuda", parse="kernels", artifact=str(tmp_path / "kernels.json")),
         full.Step("stage", "stage", ["s"], 100, "cuda", parse="stage", artifact=str(tmp_path / "stage.json")),
         full.Step("train_nccl", "train", ["t"], 100, "nccl", expect=("backend=nccl", "saved checkpoint")),
+        full.Step("train_nccl_torch", "fallback", ["f"], 100, "nccl", only_if_failed="train_nccl"),
         full.Step("resume_nccl", "resume", ["r"], 100, "nccl"),
         full.Step("pp2_gloo", "pp2", ["p"], 100, "gloo"),
     ]
@@ -130,8 +132,9 @@ def test_run_full_reports_every_step_even_failed_timed_out_and_skipped(tmp_path)
         say=lines.append, clock=lambda: clock["t"],
     )  # fmt: skip
     status = {s["name"]: s["status"] for s in report["steps"]}
-    assert status == {"kernels": "fail", "stage": "pass", "train_nccl": "pass", "resume_nccl": "timeout",
-                      "pp2_gloo": "skipped"}  # fmt: skip
+    assert status == {"kernels": "fail", "stage": "pass", "train_nccl": "pass", "train_nccl_torch": "not needed",
+                      "resume_nccl": "timeout", "pp2_gloo": "skipped"}  # fmt: skip
+    assert not full.all_passed(report)
     assert report["steps"][-1]["problems"] == ["not started: 5 s of the budget left"]
     assert lines[0] == "gpu_check --full: kernels (kernels), up to 100 s ..."
     t = {row["target"]: row["status"] for row in report["targets"]}
@@ -201,3 +204,20 @@ def test_full_check_on_cuda(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, [(s["name"], s["status"], s["problems"]) for s in report["steps"]]
     assert any(line.startswith("train_nccl") for line in report["coverage"]["nccl"])
+
+
+def test_a_fallback_runs_only_when_its_step_failed(tmp_path):
+    steps = [
+        full.Step("train_nccl", "t", ["t"], 30, "nccl", expect=("backend=nccl",)),
+        full.Step("train_nccl_torch", "f", ["f"], 30, "nccl", expect=("backend=nccl",), only_if_failed="train_nccl"),
+    ]
+    outputs = {"t": full.Outcome(1, 1.0, "Traceback: triton compile error"), "f": full.Outcome(0, 1.0, LOG)}
+    report = full.run_full(str(tmp_path), budget_s=100, steps=steps, env={}, say=lambda _: None,
+                           runner=lambda c, *, timeout_s, env: outputs[c[0]])  # fmt: skip
+    assert [s["status"] for s in report["steps"]] == ["fail", "pass"]
+    assert report["coverage"]["nccl"] == ["train_nccl_torch: f (pass)"]
+    outputs["t"] = full.Outcome(0, 1.0, LOG)
+    report = full.run_full(str(tmp_path), budget_s=100, steps=steps, env={}, say=lambda _: None,
+                           runner=lambda c, *, timeout_s, env: outputs[c[0]])  # fmt: skip
+    assert [s["status"] for s in report["steps"]] == ["pass", "not needed"] and full.all_passed(report)
+    assert [t["target"] for t in report["targets"]][-1] == "train_nccl: finishes, finite losses, expected log lines"

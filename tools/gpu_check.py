@@ -427,7 +427,7 @@ def _full(args: argparse.Namespace) -> int:
     report = gpu_check_full.run_full(args.out, budget_s=args.budget, micro_batch=min(args.micro_batch, 2))
     print(gpu_check_full.to_markdown(report))
     print(f"gpu_check --full: wrote {args.out}/gpu_check.json and .md in {time.perf_counter() - t0:.0f} s")
-    return 0 if all(s["status"] == "pass" for s in report["steps"]) else 1
+    return 0 if gpu_check_full.all_passed(report) else 1
 
 
 if __name__ == "__main__":

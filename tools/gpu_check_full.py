@@ -47,11 +47,11 @@ TAIL_LINES = 40
 
 def train_model(hidden: int, seq: int) -> list[str]:
     """A small GPT for the training steps (4 layers, 8 heads, mock data, bf16, clipping)."""
-    return [
-        "--num-layers", "4", "--hidden-size", str(hidden), "--num-attention-heads", "8", "--seq-length", str(seq),
-        "--max-position-embeddings", str(seq), "--vocab-size", "8192", "--mock-data", "--micro-batch-size", "2",
-        "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "1", "--bf16", "--clip-grad", "1.0",
-    ]  # fmt: skip
+    return (
+        f"--num-layers 4 --hidden-size {hidden} --num-attention-heads 8 --seq-length {seq} "
+        f"--max-position-embeddings {seq} --vocab-size 8192 --mock-data --micro-batch-size 2 --lr 1e-3 "
+        "--log-interval 1 --eval-iters 1 --bf16 --clip-grad 1.0"
+    ).split()
 
 
 @dataclass
@@ -65,6 +65,7 @@ class Step:
     parse: str = "training"  # "kernels" | "stage" | "training"
     artifact: str | None = None  # a JSON file the step writes
     expect: tuple[str, ...] = ()  # lines the log must contain (regular expressions)
+    only_if_failed: str | None = None  # a fallback: run only when this step did not pass
 
 
 def torchrun(nproc: int) -> list[str]:
@@ -73,44 +74,30 @@ def torchrun(nproc: int) -> list[str]:
 
 def plan(work: str, *, micro_batch: int = 2) -> list[Step]:
     """The steps of the full check; ``work`` holds their files (checkpoints, JSON)."""
-    py, ckpt = sys.executable, os.path.join(work, "checkpoint")
+    py, ckpt, kernels_json = sys.executable, os.path.join(work, "checkpoint"), os.path.join(work, "kernels.json")
     train = ["pretrain_gpt.py", *train_model(512, 512), "--use-distributed-optimizer", "--cross-entropy-loss-fusion"]
+    first = [*train, *"--global-batch-size 4 --train-iters 4 --eval-interval 4 --save-interval 4 --save".split(), ckpt]
+    stage = f"--layers 2 --micro-batch {micro_batch} --warmup 3 --repeats 10 --kernels auto --out".split()
+    pp2 = (
+        "--global-batch-size 8 --train-iters 5 --eval-interval 5 --pipeline-model-parallel-size 2 "
+        "--pipeline-schedule zb-auto --enable-optimizer-post-validation "
+        "--zero-bubble-pipeline-timers-start-iter 1 --zero-bubble-pipeline-timers-end-iter 3"
+    ).split()
+    saved = (r"backend=nccl", r"saved checkpoint at iteration\s+4")
     return [
         Step(
             "kernels",
             "Triton kernels vs torch (bf16, GPT-2 XL shapes)",
-            [
-                py,
-                "tools/gpu_check_kernels.py",
-                "--json",
-                os.path.join(work, "kernels.json"),
-                "--micro-batch",
-                str(micro_batch),
-            ],  # fmt: skip
+            [py, "tools/gpu_check_kernels.py", "--json", kernels_json, "--micro-batch", str(micro_batch)],
             120,
             "cuda",
             parse="kernels",
-            artifact=os.path.join(work, "kernels.json"),
+            artifact=kernels_json,
         ),
         Step(
             "stage",
             "one stage's F, B, W, BW (2 GPT-2 XL layers, kernels on)",
-            [
-                py,
-                "tools/gpu_check.py",
-                "--layers",
-                "2",
-                "--micro-batch",
-                str(micro_batch),
-                "--warmup",
-                "3",
-                "--repeats",
-                "10",
-                "--kernels",
-                "auto",
-                "--out",
-                os.path.join(work, "stage"),
-            ],  # fmt: skip
+            [py, "tools/gpu_check.py", *stage, os.path.join(work, "stage")],
             60,
             "cuda",
             parse="stage",
@@ -119,39 +106,24 @@ def plan(work: str, *, micro_batch: int = 2) -> list[Step]:
         Step(
             "train_nccl",
             "pretrain_gpt.py, world 1, NCCL, bf16: kernels, distributed optimizer, clipping, checkpoint save",
-            [
-                *torchrun(1),
-                *train,
-                "--global-batch-size",
-                "4",
-                "--train-iters",
-                "4",
-                "--eval-interval",
-                "4",
-                "--save",
-                ckpt,
-                "--save-interval",
-                "4",
-            ],  # fmt: skip
+            [*torchrun(1), *first],
             60,
             "nccl",
-            expect=(r"backend=nccl", r"saved checkpoint at iteration\s+4"),
+            expect=saved,
+        ),
+        Step(
+            "train_nccl_torch",
+            "the same with --kernels torch, only if train_nccl failed (is it the kernels or NCCL?)",
+            [*torchrun(1), *first, "--kernels", "torch"],
+            45,
+            "nccl",
+            expect=saved,
+            only_if_failed="train_nccl",
         ),
         Step(
             "resume_nccl",
             "the same run loaded from its checkpoint (NCCL)",
-            [
-                *torchrun(1),
-                *train,
-                "--global-batch-size",
-                "4",
-                "--train-iters",
-                "6",
-                "--eval-interval",
-                "6",
-                "--load",
-                ckpt,
-            ],  # fmt: skip
+            [*torchrun(1), *train, *"--global-batch-size 4 --train-iters 6 --eval-interval 6 --load".split(), ckpt],
             45,
             "nccl",
             expect=(r"backend=nccl", r"loaded checkpoint .*\(iteration 4\)", r"iteration\s+6/\s*6"),
@@ -159,26 +131,7 @@ def plan(work: str, *, micro_batch: int = 2) -> list[Step]:
         Step(
             "pp2_gloo",
             "pp = 2, zb-auto, post-validation, profiling window + re-plan (gloo, GPU hidden)",
-            [
-                *torchrun(2),
-                "pretrain_gpt.py",
-                *train_model(128, 128),
-                "--global-batch-size",
-                "8",
-                "--train-iters",
-                "5",
-                "--eval-interval",
-                "5",
-                "--pipeline-model-parallel-size",
-                "2",
-                "--pipeline-schedule",
-                "zb-auto",
-                "--enable-optimizer-post-validation",
-                "--zero-bubble-pipeline-timers-start-iter",
-                "1",
-                "--zero-bubble-pipeline-timers-end-iter",
-                "3",
-            ],  # fmt: skip
+            [*torchrun(2), "pretrain_gpt.py", *train_model(128, 128), *pp2],
             60,
             "gloo",
             env={"CUDA_VISIBLE_DEVICES": ""},
@@ -295,8 +248,13 @@ def judge(step: Step, outcome: Outcome) -> dict:
     return result
 
 
-def skipped(step: Step, why: str) -> dict:
-    return {"name": step.name, "title": step.title, "backend": step.backend, "status": "skipped", "problems": [why]}
+def skipped(step: Step, why: str, *, status: str = "skipped") -> dict:
+    return {"name": step.name, "title": step.title, "backend": step.backend, "status": status, "problems": [why]}
+
+
+def all_passed(report: dict) -> bool:
+    """Every step passed (a fallback that was not needed counts as passed)."""
+    return all(s["status"] in ("pass", "not needed") for s in report["steps"])
 
 
 # ---------------------------------------------------------------------------------------------------- targets
@@ -336,9 +294,9 @@ def targets(steps: Sequence[dict]) -> list[dict]:
     rows.append(
         _row(f"(B + W) / BW of a layer stack <= {SPLIT_TARGET}", None if split is None else f"{split:.3f}", status)
     )
-    for name in ("train_nccl", "resume_nccl", "pp2_gloo"):
+    for name in ("train_nccl", "train_nccl_torch", "resume_nccl", "pp2_gloo"):
         s = by_name.get(name)
-        if s is None:
+        if s is None or s["status"] == "not needed":
             continue
         value = ", ".join(f"{i}: {v:.4f}" for i, v in sorted((s.get("losses") or {}).items())) or None
         status = {"pass": "pass", "skipped": "not measured"}.get(s["status"], "fail")
@@ -352,6 +310,8 @@ def nccl_coverage(steps: Sequence[dict]) -> dict[str, list[str]]:
     ran, not_ran = [], []
     for s in steps:
         line = f"{s['name']}: {s['title']} ({s['status']})"
+        if s["status"] == "not needed":
+            continue
         if s["backend"] == "cuda":
             not_ran.append(f"{line}: CUDA only, no collectives")
         elif s["status"] == "pass" and s.get("backend_seen") == "nccl":
@@ -474,7 +434,10 @@ def run_full(
         for step in steps if steps is not None else plan(work, micro_batch=micro_batch):
             remaining = budget_s - (clock() - t0)
             timeout = step_timeout(step, remaining)
-            if timeout is None:
+            passed = {r["name"] for r in results if r["status"] == "pass"}
+            if step.only_if_failed is not None and step.only_if_failed in passed:
+                results.append(skipped(step, f"{step.only_if_failed} passed", status="not needed"))
+            elif timeout is None:
                 results.append(skipped(step, f"not started: {remaining:.0f} s of the budget left"))
             else:
                 say(f"gpu_check --full: {step.name} ({step.title}), up to {timeout:.0f} s ...")
