@@ -8,6 +8,7 @@
                          [--mem-f X --mem-b Y --mem-w Z] [--mem-limit L] [--json] [--export plan.json]
     zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
     zb-schedule validate plan.json [cost flags] [--mem-limit L]
+    zb-schedule certify NAME|plan.json -p 4 -m 8 [cost flags] [--mem-limit L] [--time-limit S] [--json]
 
 Every command that takes cost flags also takes ``--profile prof.json`` (a measured profile, see
 ``zb_pipeline.runtime.profiler``): its per-stage costs in ms and memory deltas in bytes replace the flags.
@@ -29,7 +30,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from zb_pipeline.schedule import registry
+from zb_pipeline.schedule import certify, registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
@@ -464,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also add and check the optimizer post-validation chain (--enable-optimizer-post-validation)",
     )
     sp.set_defaults(fn=cmd_validate)
+    certify.add_parser(sub, shape_args=_add_shape_args, check=_check_shape, plan=_plan, costs=_build_costs)
     return parser
 
 
