@@ -5,121 +5,114 @@ chunk 1 (stages ``p..2p-1``) comes back up, so rank ``r`` holds stages ``r`` and
 the two chunks on rank ``p-1`` (forward) and the loss on rank 0 (stage ``2p-1``, whose backward starts where its
 forward ended) are local: no communication.
 
-How a plan is built.  Several candidate plans are made with the *real* per-virtual-stage costs (``StageCosts``:
-T_F, T_B, T_W per stage and T_comm on every hand-off between ranks), each is timed by the simulator, and the
-shortest makespan within the memory caps is kept (ties: the first).
+Memory caps are the papers' (zero-bubble paper for ZB-V; "Pipeline Parallelism with Controllable Memory" for V-Half
+and V-Min), in microbatches of a rank's whole-share activation ``M_r = mem_f[r] + mem_f[2p-1-r]``
+(``cap_units`` counts half-units, one chunk's forward, so ``cap_units / 2 x M_r``; never below one microbatch's
+footprint on the rank):
 
-1. *List scheduler* (``v_shape_list``): simulates time; whenever a rank is free it runs one ready action by
-   priority (B before F, F before B, chunk-1 F first, ... per variant; the deferred W only when nothing else may
-   run, so W fills what would otherwise be bubbles), subject to the per-rank cap; how room is checked is the
-   variant's *admission* (see ``v_shape_list``).
-2. *Repeated building block* (``v_shape_template``): the pattern of the papers -- one
-   microbatch's F/B/W offsets, placed as early as dependencies allow such that copies repeated every ``period``
-   never overlap on a rank (modulo scheduling); each rank runs the copies' actions in start-time order and the
-   simulator squeezes the warm-up and cool-down.  Memory is then exactly the overlap of the block's lifespans, so
-   the shortest period whose overlap fits the cap is taken.  This is what makes ``v-min`` (a cap close to the least
-   any steady state needs) work at large p.
-3. *Polish* (``v-half`` and ``v-min`` plans of at most ``_POLISH_MAX_ACTIONS`` compute actions): the best of
-   the above is hill-climbed by ``order_polish.polish_orders`` (move one action a few places on its rank while the
-   plan stays within the caps and gets shorter; a fixed budget of timed orders, so deterministic).  It recovers
-   warm-up / cool-down time no priority rule finds, e.g. v-min p = 3, m = 6, F = B = 2W: 52 -> 50 (the exact MILP
-   optimum is 49).
+- ``zb-v``:   ``p``               (1F1B's activation memory);
+- ``v-half``: ``floor((p + 2) / 2)`` (about half of 1F1B's);
+- ``v-min``:  ``floor((p + 4) / 3)`` (about a third).
+
+How a plan is built.  Candidates are made from the *real* per-virtual-stage costs (``StageCosts``: T_F, T_B, T_W
+per stage and T_comm on every hand-off between ranks), each is timed by the simulator, and the shortest makespan
+within the caps is kept (ties: the first):
+
+1. *The papers' warm-up and alternating steady state* (``v_shape_alternate``): chunk-0 forwards fill each rank's
+   wait for the first chunk-1 forward (room kept for the chunk-1 forwards that come before the first backward),
+   then one backward and one forward in turn, W in the waits.  This is what reaches ZB-V's (near) zero bubble.  A
+   few knob settings (``_ALT_KNOBS``) are tried.
+2. *The building block repeated and squeezed* (``v_shape_block``): one microbatch's F/B offsets derived from the
+   costs and T_comm by modulo scheduling, repeated at the shortest period whose memory fits the cap, squeezed by an
+   event-driven pass with W's in the waits.  This is what V-Half and V-Min are made of.
+3. *Today's candidates*, kept: the memory-capped list scheduler (``v_shape_list``) and the modulo template with W's
+   (``v_shape_template``), and for small plans the order polish (``order_polish``).  Under the previous, tighter
+   caps (``_legacy_cap_units``) they are exactly the plans of the earlier version, so no plan gets longer than it
+   was (on plans of at most ``_LEGACY_MAX_ACTIONS`` compute actions, where they run); the template also runs under
+   the new caps.
+
+Large plans: knob settings and block variants are first compared on a shortened plan (``_PROBE_M``
+microbatches; warm-up and cool-down do not depend on m beyond that), then only the best few are run at full length.
 
 Hand-offs: lowering posts every receive when its data is produced, i.e. in the sender's order, so a rank may
 consume its peers' hand-offs in any order; ``check_and_lower`` checks the strict one-order-per-pair model on the result.
 
-Memory caps, in half-units of the rank's whole share ``M_r = mem_f[r] + mem_f[2p-1-r]`` (one chunk's F is
-``M_r / 2`` when the chunks are equal; with unequal chunks the cap is ``cap_units / 2 x M_r``, and never below
-one microbatch's footprint on that rank): ``cap_units(name, p)``
-
-- ``zb-v``:   ``2p``  half-units = ``p x M_r``, 1F1B's activation memory (the issue's ZB-V bound).
-- ``v-half``: ``p + 1`` half-units = ``(p + 1) / 2 x M_r``, about half of 1F1B.
-- ``v-min``:  ``ceil(2p / 3) + 1`` half-units, about a third of 1F1B.
-(all at least 2 half-units and at most 2p.)  Every rank's peak is at most the cap for every m; with uniform costs
-the highest rank peak equals the cap exactly for m = 3p and p <= 8 (tested; m < cap / 2 microbatches cannot fill
-it).  A ``mem_limit`` lowers the cap; one below a single microbatch's footprint is rejected with the smallest
-limit that works.
-
-Bubble (measured, uniform per-chunk costs, T_comm = 0, m in {2p, 4p}, p <= 16; makespan minus m(F+B+W) in chunk-F
-units; the tested bounds are in tests/test_v_schedules.py): ``zb-v`` at most 1.5p (tested; 19 at p = 16 against 90
-for 1F1B); ``v-half`` below 1F1B at F = B = W (tested), within 8 points of 1F1B's rate at F = B = 2W; ``v-min``
-within 15 points of 1F1B's rate (tested; e.g. 13% at p = 16, m = 64, F = B = W where it was 41%) except where its
-cap is tightest, p a multiple of 3 at F = B = 2W: there an exact search over repeated building blocks (one or two
-microbatches per period) finds none within the cap shorter than about 1.45-1.5 x a rank's work per microbatch (p =
-3, 6, 9), so at m = 4p v-min's rate stays 6-8 points above that bound (e.g. p = 6, m = 24: 38.9% against 1F1B's
-17.2%); not proven for whole plans, so the test keeps the 15 points and marks these cases as strict expected
-failures (``V_MIN_KNOWN_MISSES``).  ZB-V still does not reach the paper's zero bubble: its warm-up is the list
-scheduler's, not the handcrafted one.
+A ``mem_limit`` lowers the cap; one below a single microbatch's footprint is rejected with the smallest limit that
+works.  Measured results (the issue's table, the uniform-cost bound, generation times) are in docs/schedules.md.
 """
 
 from __future__ import annotations
 
-import math
-
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.order_polish import polish_orders
+from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_plan
+from zb_pipeline.schedule.generators.v_shape_block import block_plans
 from zb_pipeline.schedule.generators.v_shape_list import LIST_POLICIES, plan_list_schedule
 from zb_pipeline.schedule.generators.v_shape_template import template_plans
-from zb_pipeline.schedule.ir import Schedule, v_placement
+from zb_pipeline.schedule.ir import Action, Schedule, v_placement
 from zb_pipeline.schedule.registry import register
 from zb_pipeline.schedule.simulate import simulate
 
 _EPS = 1e-9
+V_NAMES = ("zb-v", "v-half", "v-min")
 
 
 def cap_units(name: str, p: int) -> int:
     """Memory cap of V schedule ``name`` for ``p`` ranks, in half-units (``M_r / 2``: one chunk's forward).
 
-    ``zb-v``: ``2p`` (= p x M_r, 1F1B's activation memory).  ``v-half``: ``p + 1`` (about half of 1F1B).
-    ``v-min``: ``ceil(2p / 3) + 1`` (about a third).  Never below 2 (one microbatch through both chunks).
+    ``zb-v``: ``2p`` (= p x M_r).  ``v-half``: ``2 floor((p + 2) / 2)``.  ``v-min``: ``2 floor((p + 4) / 3)``.
+    Never below 2 (one microbatch through both chunks) nor above ``2p``.
     """
     if name == "zb-v":
-        units = 2 * p
+        whole = p
     elif name == "v-half":
-        units = p + 1
+        whole = (p + 2) // 2
     elif name == "v-min":
-        units = -(-2 * p // 3) + 1
+        whole = (p + 4) // 3
     else:
-        raise ValueError(f"unknown V schedule {name!r}; known: zb-v, v-half, v-min")
+        raise ValueError(f"unknown V schedule {name!r}; known: {', '.join(V_NAMES)}")
+    return max(2, min(2 * whole, 2 * p))
+
+
+def _legacy_cap_units(name: str, p: int) -> int:
+    """The caps of the earlier version (half-units): zb-v 2p, v-half p + 1, v-min ceil(2p / 3) + 1; its plans are
+    kept as candidates under them."""
+    units = {"zb-v": 2 * p, "v-half": p + 1, "v-min": -(-2 * p // 3) + 1}[name]
     return max(2, min(units, 2 * p))
 
 
+# Knob settings of the alternating scheduler, most often best first (measured on the issue's table, uniform and
+# heterogeneous costs).
+_ALT_KNOBS: tuple[AltKnobs, ...] = (
+    AltKnobs("2r+1", 0.5, 0, True),
+    AltKnobs("2r+1", 1.0, 0, True),
+    AltKnobs("2r+1", 0.0, 0, False),
+    AltKnobs("2r+1", 0.5, 0, False),
+    AltKnobs("2r+2", 0.5, 1, True),
+    AltKnobs("2r", 0.25, 2, False),
+)
 # Plans with at most this many compute actions get the best candidate polished by local search (``order_polish``).
 _POLISH_MAX_ACTIONS = 240
-# Only where the caps bind: zb-v's cap leaves its plans nothing to gain (measured p = 2..4, m = 2p..4p) for 5-10x
-# its generation time.
-_POLISHED = ("v-half", "v-min")
 _POLISH_WORK = 300_000  # actions timed in all, summed over the candidate orders tried (about 0.5 s)
+# The earlier version's list scheduler runs up to this many compute actions (its cost grows with p x actions).
+_LEGACY_MAX_ACTIONS = 6144
+# Beyond this many compute actions the knob settings are compared on a plan of _PROBE_M(p) microbatches first.
+_PROBE_ABOVE = 12_000
+_PROBE_KEEP = 2  # settings run at full length after the probe
 
 
-def plan_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
-    """Every policy variant's plan (stuck optimistic ones left out) with its simulated makespan under ``costs``.
-
-    The list scheduler's own clock can start an action later than its dependencies allow (it waited for room), so
-    variants are compared by the simulator's as-soon-as-possible timing of their orders.
-    """
-    place = v_placement(p, 2)
-    out = []
-    for policy in LIST_POLICIES:
-        ranks = plan_list_schedule(place, m, costs, caps, policy)
-        if ranks is not None:
-            sched = Schedule(name, p, 2 * p, m, place, ranks)
-            out.append((simulate(sched, costs).makespan, sched))
-    for ranks in template_plans(p, m, costs, caps):
-        sched = Schedule(name, p, 2 * p, m, place, ranks)
-        out.append((simulate(sched, costs).makespan, sched))
-    if name in _POLISHED and 6 * p * m <= _POLISH_MAX_ACTIONS:
-        best = min(out, key=lambda c: c[0])[1]  # ties: the first
-        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // (6 * p * m))
-        out.append((simulate(polished, costs).makespan, polished))
-    return out
+def _probe_m(p: int) -> int:
+    return 3 * p
 
 
-def rank_caps(name: str, p: int, costs: StageCosts, mem_limit: float | None) -> list[float]:
-    """Per-rank memory cap of V schedule ``name`` (in the units of the mem deltas), ``mem_limit`` applied."""
+def rank_caps(
+    name: str, p: int, costs: StageCosts, mem_limit: float | None, *, units: int | None = None
+) -> list[float]:
+    """Per-rank memory cap of V schedule ``name`` (in the units of the mem deltas), ``mem_limit`` applied;
+    ``units`` overrides ``cap_units(name, p)``."""
     S = 2 * p
     place = v_placement(p, 2)
-    units = cap_units(name, p)
+    units = cap_units(name, p) if units is None else units
     caps = []
     for r in range(p):
         stages = [s for s in range(S) if place[s] == r]
@@ -139,6 +132,70 @@ def rank_caps(name: str, p: int, costs: StageCosts, mem_limit: float | None) -> 
     return caps
 
 
+def _timed(name: str, p: int, m: int, costs: StageCosts, ranks: list[list[Action]]) -> tuple[float, Schedule]:
+    sched = Schedule(name, p, 2 * p, m, v_placement(p, 2), ranks)
+    return simulate(sched, costs).makespan, sched
+
+
+def _legacy_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
+    """The earlier version's candidates and polish, exactly (under the caps it is given)."""
+    place = v_placement(p, 2)
+    out = []
+    for policy in LIST_POLICIES:
+        ranks = plan_list_schedule(place, m, costs, caps, policy)
+        if ranks is not None:
+            out.append(_timed(name, p, m, costs, ranks))
+    for ranks in template_plans(p, m, costs, caps):
+        out.append(_timed(name, p, m, costs, ranks))
+    if name != "zb-v" and 6 * p * m <= _POLISH_MAX_ACTIONS:
+        best = min(out, key=lambda c: c[0])[1]
+        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // (6 * p * m))
+        out.append((simulate(polished, costs).makespan, polished))
+    return out
+
+
+def _new_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
+    """The alternating scheduler's and the building block's candidates (compared on a probe first when large)."""
+    probe = 6 * p * m > _PROBE_ABOVE and _probe_m(p) < m
+
+    def plans(mm: int, only: set[int] | None = None) -> list[tuple[int, list[list[Action]]]]:
+        got = []
+        for i, knobs in enumerate(_ALT_KNOBS):
+            if only is None or i in only:
+                ranks = alternate_plan(p, mm, costs, caps, knobs)
+                if ranks is not None:
+                    got.append((i, ranks))
+        if only is None or any(i >= len(_ALT_KNOBS) for i in only):
+            for j, ranks in enumerate(block_plans(p, mm, costs, caps)):
+                if ranks is not None and (only is None or len(_ALT_KNOBS) + j in only):
+                    got.append((len(_ALT_KNOBS) + j, ranks))
+        return got
+
+    if not probe:
+        return [_timed(name, p, m, costs, ranks) for _, ranks in plans(m)]
+    pm = _probe_m(p)
+    scored = sorted((_timed(name, p, pm, costs, ranks)[0], i) for i, ranks in plans(pm))
+    keep = {i for _, i in scored[:_PROBE_KEEP]}
+    return [_timed(name, p, m, costs, ranks) for _, ranks in plans(m, keep)]
+
+
+def plan_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
+    """Every candidate plan with its simulated makespan under ``costs``, each within ``caps`` (see the module
+    docstring; the earlier version's candidates run under its own caps lowered to ``caps``)."""
+    out = _new_variants(name, p, m, costs, caps)
+    small = 6 * p * m <= _LEGACY_MAX_ACTIONS
+    if small:  # the earlier caps, lowered to ``caps`` where these are lower (a memory limit)
+        legacy = rank_caps(name, p, costs, None, units=_legacy_cap_units(name, p))
+        out += _legacy_variants(name, p, m, costs, [min(a, b) for a, b in zip(caps, legacy)])
+    if not small or name != "zb-v":
+        out += [_timed(name, p, m, costs, ranks) for ranks in template_plans(p, m, costs, caps)]
+    if name != "zb-v" and 6 * p * m <= _POLISH_MAX_ACTIONS:
+        best = min(out, key=lambda c: c[0])[1]
+        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // (6 * p * m))
+        out.append((simulate(polished, costs).makespan, polished))
+    return out
+
+
 def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None) -> Schedule:
     """Shared entry point of the three V schedules."""
     if chunks != 2:
@@ -153,7 +210,7 @@ def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_lim
     for span, sched in plan_variants(name, p, m, costs, caps):
         if best is None or span < best[0] - _EPS:  # ties: the first variant
             best = (span, sched)
-    assert best is not None  # the staged and full variants never get stuck
+    assert best is not None  # the block's squeeze and the template always finish
     return best[1]
 
 
@@ -168,27 +225,27 @@ _V_SPEC = dict(chunks=(2,), placement="v", uses_costs=True, takes_mem_limit=Fals
     description="ZB-V: V placement, split B/W, 1F1B memory (p x M)",
 )
 def zb_v(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
-    """ZB-V: peak memory at most p x the rank's whole-share mem_f; small bubble (<= 1.5p chunk-F) once m >= 2p."""
+    """ZB-V: peak memory at most p x the rank's whole-share mem_f; about zero bubble once m >= 2p."""
     return plan_v("zb-v", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
 @register(
     "v-half",
     **_V_SPEC,
-    memory_bound=lambda p, m: (p + 1) / 2,
-    description="V-Half: V placement, about half of 1F1B's memory",
+    memory_bound=lambda p, m: (p + 2) // 2,
+    description="V-Half: V placement, about half of 1F1B's memory (floor((p+2)/2) x M)",
 )
 def v_half(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
-    """V-Half: peak memory at most (p + 1) / 2 x the rank's whole-share mem_f."""
+    """V-Half: peak memory at most floor((p + 2) / 2) x the rank's whole-share mem_f."""
     return plan_v("v-half", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
 
 @register(
     "v-min",
     **_V_SPEC,
-    memory_bound=lambda p, m: (math.ceil(2 * p / 3) + 1) / 2,
-    description="V-Min: V placement, about a third of 1F1B's memory",
+    memory_bound=lambda p, m: (p + 4) // 3,
+    description="V-Min: V placement, about a third of 1F1B's memory (floor((p+4)/3) x M)",
 )
 def v_min(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
-    """V-Min: peak memory at most (ceil(2p / 3) + 1) / 2 x the rank's whole-share mem_f."""
+    """V-Min: peak memory at most floor((p + 4) / 3) x the rank's whole-share mem_f."""
     return plan_v("v-min", p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
