@@ -30,6 +30,7 @@ class OptionalBuildExt(build_ext):
 # Extension module -> C++ source.  Each module has a typed Python wrapper with a NumPy fallback.
 CPP_EXTENSIONS: dict[str, str] = {
     "zb_pipeline.schedule._zb_auto_cpp": "csrc/zb_auto_search.cpp",
+    "zb_pipeline.schedule._v_shape_cpp": "csrc/v_shape_passes.cpp",
     "megatron.data._helpers_cpp": "csrc/dataset_helpers.cpp",
 }
 

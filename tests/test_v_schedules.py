@@ -107,26 +107,16 @@ def test_registry_states_the_caps() -> None:
             assert get(name).stated_memory_bound(p, 4 * p) == cap_units(name, p) / 2, (name, p)
 
 
-# Highest rank peak (half-units) with uniform costs and m = 3p: zb-v and v-min fill their caps; v-half's best plan
-# stays below its cap for even p (the cap grew from p + 1 to p + 2 half-units there; the shorter plan needs less).
-PEAKS_3P = {
-    1: (2, 2, 2),
-    2: (4, 4, 4),
-    3: (6, 4, 4),
-    4: (8, 5, 4),
-    5: (10, 6, 6),
-    6: (12, 7, 6),
-    8: (16, 9, 8),
-}
-
-
-@pytest.mark.parametrize("p", sorted(PEAKS_3P))
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 8])
 def test_peak_within_cap(p: int) -> None:
+    """Uniform costs, m = 3p: every rank's peak is within its cap, and zb-v's warm-up fills its cap exactly."""
     costs = StageCosts.uniform(2 * p)
-    for name, want in zip(NAMES, PEAKS_3P[p]):
+    for name in NAMES:
         sched = generate(name, p, 3 * p, chunks=2, costs=costs)
         peak = max(peak_memory(sched, costs))
-        assert peak <= cap_units(name, p) and peak == want, (name, peak)
+        assert peak <= cap_units(name, p), (name, peak)
+        if name == "zb-v":
+            assert peak == cap_units(name, p)
 
 
 def test_zb_v_at_most_p_whole_units_default_memory_model() -> None:

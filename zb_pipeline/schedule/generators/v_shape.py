@@ -43,10 +43,13 @@ works.  Measured results (the issue's table, the uniform-cost bound, generation 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.order_polish import polish_orders
-from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_plan
-from zb_pipeline.schedule.generators.v_shape_block import block_plans
+from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_codes
+from zb_pipeline.schedule.generators.v_shape_block import block_codes
+from zb_pipeline.schedule.generators.v_shape_codes import Codes, makespan, resolve_backend, to_codes, to_schedule
 from zb_pipeline.schedule.generators.v_shape_list import LIST_POLICIES, plan_list_schedule
 from zb_pipeline.schedule.generators.v_shape_template import template_plans
 from zb_pipeline.schedule.ir import Action, Schedule, v_placement
@@ -154,50 +157,73 @@ def _legacy_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[fl
     return out
 
 
-def _new_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
-    """The alternating scheduler's and the building block's candidates (compared on a probe first when large)."""
-    probe = 6 * p * m > _PROBE_ABOVE and _probe_m(p) < m
-
-    def plans(mm: int, only: set[int] | None = None) -> list[tuple[int, list[list[Action]]]]:
-        got = []
-        for i, knobs in enumerate(_ALT_KNOBS):
-            if only is None or i in only:
-                ranks = alternate_plan(p, mm, costs, caps, knobs)
-                if ranks is not None:
-                    got.append((i, ranks))
-        if only is None or any(i >= len(_ALT_KNOBS) for i in only):
-            for j, ranks in enumerate(block_plans(p, mm, costs, caps)):
-                if ranks is not None and (only is None or len(_ALT_KNOBS) + j in only):
-                    got.append((len(_ALT_KNOBS) + j, ranks))
-        return got
-
-    if not probe:
-        return [_timed(name, p, m, costs, ranks) for _, ranks in plans(m)]
-    pm = _probe_m(p)
-    scored = sorted((_timed(name, p, pm, costs, ranks)[0], i) for i, ranks in plans(pm))
-    keep = {i for _, i in scored[:_PROBE_KEEP]}
-    return [_timed(name, p, m, costs, ranks) for _, ranks in plans(m, keep)]
-
-
-def plan_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[float]) -> list[tuple[float, Schedule]]:
-    """Every candidate plan with its simulated makespan under ``costs``, each within ``caps`` (see the module
-    docstring; the earlier version's candidates run under its own caps lowered to ``caps``)."""
-    out = _new_variants(name, p, m, costs, caps)
-    small = 6 * p * m <= _LEGACY_MAX_ACTIONS
-    if small:  # the earlier caps, lowered to ``caps`` where these are lower (a memory limit)
-        legacy = rank_caps(name, p, costs, None, units=_legacy_cap_units(name, p))
-        out += _legacy_variants(name, p, m, costs, [min(a, b) for a, b in zip(caps, legacy)])
-    if not small or name != "zb-v":
-        out += [_timed(name, p, m, costs, ranks) for ranks in template_plans(p, m, costs, caps)]
-    if name != "zb-v" and 6 * p * m <= _POLISH_MAX_ACTIONS:
-        best = min(out, key=lambda c: c[0])[1]
-        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // (6 * p * m))
-        out.append((simulate(polished, costs).makespan, polished))
+def _new_codes(
+    p: int, m: int, costs: StageCosts, caps: list[float], backend: str, only=None
+) -> list[tuple[int, Codes]]:
+    """(index, plan) of every alternating-pass knob setting and block variant that finishes (``only``: those
+    indices)."""
+    out = []
+    for i, knobs in enumerate(_ALT_KNOBS):
+        if only is None or i in only:
+            codes = alternate_codes(p, m, costs, caps, knobs, backend)
+            if codes is not None:
+                out.append((i, codes))
+    if only is None or any(i >= len(_ALT_KNOBS) for i in only):
+        for j, codes in enumerate(block_codes(p, m, costs, caps, backend)):
+            if codes is not None and (only is None or len(_ALT_KNOBS) + j in only):
+                out.append((len(_ALT_KNOBS) + j, codes))
     return out
 
 
-def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None) -> Schedule:
-    """Shared entry point of the three V schedules."""
+def _candidates(
+    name: str, p: int, m: int, costs: StageCosts, caps: list[float], backend: str
+) -> list[tuple[float, Callable[[], Schedule]]]:
+    """(makespan, build the Schedule) of every candidate, in tie-break order (see the module docstring)."""
+    out: list[tuple[float, Callable[[], Schedule]]] = []
+
+    def add_codes(codes: Codes) -> None:
+        out.append((makespan(p, m, costs, codes, backend), lambda: to_schedule(name, p, m, codes)))
+
+    def add_plan(span: float, sched: Schedule) -> None:
+        out.append((span, lambda: sched))
+
+    n = 6 * p * m
+    if backend == "cpp" or n <= _PROBE_ABOVE or _probe_m(p) >= m:
+        for _, codes in _new_codes(p, m, costs, caps, backend):
+            add_codes(codes)
+    else:  # the Python passes: compare the settings on a shorter plan, run the best few at full length
+        pm = _probe_m(p)
+        scored = sorted((makespan(p, pm, costs, c, backend), i) for i, c in _new_codes(p, pm, costs, caps, backend))
+        for _, codes in _new_codes(p, m, costs, caps, backend, {i for _, i in scored[:_PROBE_KEEP]}):
+            add_codes(codes)
+    small = n <= _LEGACY_MAX_ACTIONS
+    if small:  # the earlier caps, lowered to ``caps`` where these are lower (a memory limit)
+        legacy = rank_caps(name, p, costs, None, units=_legacy_cap_units(name, p))
+        for span, sched in _legacy_variants(name, p, m, costs, [min(a, b) for a, b in zip(caps, legacy)]):
+            add_plan(span, sched)
+    if not small or name != "zb-v":
+        for ranks in template_plans(p, m, costs, caps):
+            add_codes(to_codes(ranks, m))
+    if name != "zb-v" and n <= _POLISH_MAX_ACTIONS:
+        best = min(out, key=lambda c: c[0])[1]()
+        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // n)
+        add_plan(simulate(polished, costs).makespan, polished)
+    return out
+
+
+def plan_variants(
+    name: str, p: int, m: int, costs: StageCosts, caps: list[float], *, backend: str | None = None
+) -> list[tuple[float, Schedule]]:
+    """Every candidate plan with its simulated makespan under ``costs``, each within ``caps`` (see the module
+    docstring; the earlier version's candidates run under its own caps lowered to ``caps``)."""
+    return [(span, build()) for span, build in _candidates(name, p, m, costs, caps, resolve_backend(backend))]
+
+
+def plan_v(
+    name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None, backend: str | None = None
+) -> Schedule:
+    """Shared entry point of the three V schedules (``backend``: ``"cpp"``, ``"python"`` or ``None`` for the
+    compiled passes when built)."""
     if chunks != 2:
         raise ValueError(f"{name} uses V placement with exactly 2 chunks per rank, got chunks={chunks}")
     if costs.num_stages != 2 * p:
@@ -206,12 +232,12 @@ def plan_v(name: str, p: int, m: int, *, chunks: int, costs: StageCosts, mem_lim
         if costs.mem_f[s] < 0:
             raise ValueError(f"{name}: mem_f of stage {s} is {costs.mem_f[s]}; forward memory must be >= 0")
     caps = rank_caps(name, p, costs, mem_limit)
-    best: tuple[float, Schedule] | None = None
-    for span, sched in plan_variants(name, p, m, costs, caps):
+    best: tuple[float, Callable[[], Schedule]] | None = None
+    for span, build in _candidates(name, p, m, costs, caps, resolve_backend(backend)):
         if best is None or span < best[0] - _EPS:  # ties: the first variant
-            best = (span, sched)
+            best = (span, build)
     assert best is not None  # the block's squeeze and the template always finish
-    return best[1]
+    return best[1]()
 
 
 # What the three V schedules register alike: each fixes its own memory bound, so no memory limit applies.

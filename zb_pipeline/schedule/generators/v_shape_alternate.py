@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.generators.v_shape_codes import Codes, cost_args, cpp, to_codes
 from zb_pipeline.schedule.ir import Action, Kind
 
 _EPS = 1e-9
@@ -55,8 +56,19 @@ class AltKnobs:
 
 
 def alternate_plan(p: int, m: int, costs: StageCosts, caps: list[float], knobs: AltKnobs) -> list[list[Action]] | None:
-    """Each rank's order from one pass with ``knobs`` (``None``: the pass got stuck)."""
+    """Each rank's order from one pass with ``knobs`` (``None``: the pass got stuck); the Python reference."""
     return _Pass(p, m, costs, caps, knobs).run()
+
+
+def alternate_codes(
+    p: int, m: int, costs: StageCosts, caps: list[float], knobs: AltKnobs, backend: str
+) -> Codes | None:
+    """``alternate_plan`` as codes (``v_shape_codes``), compiled when ``backend == "cpp"``."""
+    if backend == "cpp":
+        reserve = [knobs.reserve_of(r) for r in range(p)]
+        return cpp.alternate(p, m, *cost_args(costs), caps, reserve, knobs.approve, knobs.early_f, knobs.f1_wait)
+    plan = alternate_plan(p, m, costs, caps, knobs)
+    return None if plan is None else to_codes(plan, m)
 
 
 class _Pass:
@@ -172,7 +184,7 @@ class _Pass:
                     if nF1 == 0:
                         due_f1 = self.fin[s1][0] if nF0 > 0 else _INF
                         fits = t + c.f[s0] <= due_f1 + _EPS
-                        room = mem + a0 + self.k.reserve_of(r) * a1 <= cap + _EPS
+                        room = nF0 == 0 or mem + a0 + self.k.reserve_of(r) * a1 <= cap + _EPS
                     else:
                         fits, room = True, mem + a0 + a1 <= cap + _EPS
                     if fits and room:

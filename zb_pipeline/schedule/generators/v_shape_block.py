@@ -15,7 +15,7 @@ throughput.  This module derives the block from the given per-stage costs and ``
    lifespans, with collisions left to the squeeze (a candidate where memory is tight).
 2. **Repetition** (``block_order``): copy ``k`` is shifted by ``k x period``; every rank runs its F/B passes in
    start-time order.  This order fixes the memory: with each W right after its B the rank's peak is
-   ``order_floor``; the shortest period whose floor fits the cap is the one the schedule uses (``block_plans``
+   ``order_floor``; the shortest period whose floor fits the cap is the one the schedule uses (``block_codes``
    searches it from the busiest rank's work per microbatch upwards).
 3. **Squeeze** (``squeeze``): an event-driven pass runs each rank's F/B order as early as dependencies allow; a
    pending W runs when the next F/B is not ready yet (``fill``: always; ``fit``: only if it ends by then) and
@@ -29,6 +29,7 @@ import heapq
 import math
 
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.generators.v_shape_codes import Codes, cost_args, cpp, to_codes
 from zb_pipeline.schedule.ir import Action, Kind, v_placement
 
 _EPS = 1e-9
@@ -211,9 +212,9 @@ _STRETCH = tuple(1.0 + 0.01 * i for i in range(21)) + tuple(1.2 + 0.05 * i for i
 
 
 def fitting_period(
-    p: int, m: int, costs: StageCosts, caps: list[float], turn: float, pad: float, collide: bool
-) -> tuple[float, list[list[tuple[int, int, int]]]] | None:
-    """The shortest period (of ``_STRETCH``) whose repeated block fits every rank's cap, with its order."""
+    p: int, m: int, costs: StageCosts, caps: list[float], turn: float, pad: float, collide: bool, backend: str
+) -> tuple[float, list[float], list[float]] | None:
+    """The shortest period (of ``_STRETCH``) whose repeated block fits every rank's cap, with the block's offsets."""
     place = v_placement(p, 2)
     base = rank_work(costs, place)
     for stretch in _STRETCH:
@@ -224,22 +225,33 @@ def fitting_period(
         o_f, o_b = offsets
         life = max(o_b[s] + costs.b[s] - o_f[s] for s in range(2 * p))
         probe = min(m, int(life / period) + 3)  # enough copies for the steady state's peak
-        orders = block_order(place, probe, o_f, o_b, period)
-        if all(order_floor(o, costs) <= cap + _EPS for o, cap in zip(orders, caps)):
-            return period, block_order(place, m, o_f, o_b, period) if probe < m else orders
+        if backend == "cpp":
+            floors = cpp.order_floors(p, probe, *cost_args(costs), o_f, o_b, period)
+        else:
+            floors = [order_floor(o, costs) for o in block_order(place, probe, o_f, o_b, period)]
+        if all(fl <= cap + _EPS for fl, cap in zip(floors, caps)):
+            return period, o_f, o_b
     return None
 
 
 BLOCK_FILLS = ("fill", "fit")
 
 
-def block_plans(p: int, m: int, costs: StageCosts, caps: list[float]) -> list[list[list[Action]] | None]:
-    """The squeezed plan of every block variant at its fitting period, in the order ``BLOCK_VARIANTS`` x
+def block_codes(p: int, m: int, costs: StageCosts, caps: list[float], backend: str) -> list[Codes | None]:
+    """The squeezed plan of every block variant at its fitting period, as codes, in the order ``BLOCK_VARIANTS`` x
     ``BLOCK_FILLS`` (``None`` where a variant has no period that fits)."""
     place = v_placement(p, 2)
-    out: list[list[list[Action]] | None] = []
+    out: list[Codes | None] = []
     for turn, pad, collide in BLOCK_VARIANTS:
-        found = fitting_period(p, m, costs, caps, turn, pad, collide)
+        found = fitting_period(p, m, costs, caps, turn, pad, collide, backend)
         for fill in BLOCK_FILLS:
-            out.append(None if found is None else squeeze(place, m, costs, found[1], caps, fill))
+            if found is None:
+                out.append(None)
+            elif backend == "cpp":
+                period, o_f, o_b = found
+                out.append(cpp.squeeze(p, m, *cost_args(costs), caps, o_f, o_b, period, fill == "fill"))
+            else:
+                period, o_f, o_b = found
+                plan = squeeze(place, m, costs, block_order(place, m, o_f, o_b, period), caps, fill)
+                out.append(None if plan is None else to_codes(plan, m))
     return out
