@@ -510,6 +510,15 @@ PYBIND11_MODULE(_v_shape_cpp, mod) {
         if (!ok) return py::none();
         return py::cast(plans);
       });
+  mod.def("squeeze_span", [](int p, int m, Vec f, Vec b, Vec w, double comm, Vec mf, Vec mb, Vec mw, Vec caps, Vec o_f,
+                             Vec o_b, double period, bool fill) {
+    const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, std::move(mf), std::move(mb),
+                               std::move(mw));
+    py::gil_scoped_release release;
+    Plans plans;
+    if (!squeeze(c, block_order(c, m, o_f, o_b, period), caps, fill, plans)) return kInf;
+    return makespan(c, plans);
+  });
   mod.def("makespan", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) {
     const int S = 2 * p;
     const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, Vec(S, 0.0), Vec(S, 0.0),

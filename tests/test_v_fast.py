@@ -41,23 +41,20 @@ def _costs(kind: str, p: int) -> StageCosts:
 @pytest.mark.parametrize("kind", ["uniform", "table", "hetero"])
 def test_compiled_passes_equal_the_reference(kind: str) -> None:
     checked = 0
-    for p in (1, 2, 3, 5, 8):
-        for m in sorted({1, p, 2 * p + 1}):
-            costs = _costs(kind, p)
-            for name in v_shape.V_NAMES:
-                caps = v_shape.rank_caps(name, p, costs, None)
-                plans = [
-                    alternate_codes(p, m, costs, caps, k, b) for k in v_shape._ALT_KNOBS for b in ("cpp", "python")
-                ]
-                plans += [block_codes(p, m, costs, caps, b) for b in ("cpp", "python")]
-                for a, b in zip(plans[::2], plans[1::2]):
-                    assert a == b, (name, p, m)
-                for codes in plans[:-2:2] + plans[-2]:
-                    if codes is not None:
-                        want = simulate(to_schedule(name, p, m, codes), costs).makespan
-                        assert makespan(p, m, costs, codes, "cpp") == want
-                        checked += 1
-    assert checked > 100
+    for p, m in ((1, 3), (2, 2), (3, 7), (5, 5), (6, 13)):
+        costs = _costs(kind, p)
+        for name in v_shape.V_NAMES:
+            caps = v_shape.rank_caps(name, p, costs, None)
+            plans = [alternate_codes(p, m, costs, caps, k, b) for k in v_shape._ALT_KNOBS for b in ("cpp", "python")]
+            plans += [block_codes(p, m, costs, caps, b) for b in ("cpp", "python")]
+            for a, b in zip(plans[::2], plans[1::2]):
+                assert a == b, (name, p, m)
+            for codes in plans[:-2:2] + plans[-2]:
+                if codes is not None:
+                    want = simulate(to_schedule(name, p, m, codes), costs).makespan
+                    assert makespan(p, m, costs, codes, "cpp") == want
+                    checked += 1
+    assert checked > 40
 
 
 @needs_cpp
@@ -69,7 +66,7 @@ def test_codes_round_trip() -> None:
 @needs_cpp
 def test_same_plan_from_either_backend() -> None:
     for name in v_shape.V_NAMES:
-        for p, m in ((4, 9), (6, 24)):
+        for p, m in ((3, 7),):
             costs = _costs("table", p)
             a = v_shape.plan_v(name, p, m, chunks=2, costs=costs, mem_limit=None, backend="cpp")
             b = v_shape.plan_v(name, p, m, chunks=2, costs=costs, mem_limit=None, backend="python")

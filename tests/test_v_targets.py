@@ -48,20 +48,6 @@ MISSES: dict[tuple[str, int], float] = {
     ("zb-v", 0): 0.0720,
     ("zb-v", 1): 0.0551,
     ("zb-v", 2): 0.0284,
-    ("v-half", 0): 0.2391,
-    ("v-half", 1): 0.2074,
-    ("v-half", 2): 0.1544,
-    ("v-half", 3): 0.2226,
-    ("v-half", 4): 0.1906,
-    ("v-half", 5): 0.1368,
-    ("v-half", 6): 0.2194,
-    ("v-half", 7): 0.1901,
-    ("v-half", 8): 0.1355,
-    ("v-min", 4): 0.3808,
-    ("v-min", 5): 0.3106,
-    ("v-min", 6): 0.3881,
-    ("v-min", 7): 0.3457,
-    ("v-min", 8): 0.3048,
 }
 FAST_ROWS = {"zb-v": 3, "v-half": 0, "v-min": 0}  # the rows in make test
 

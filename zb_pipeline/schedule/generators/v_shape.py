@@ -158,19 +158,20 @@ def _legacy_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[fl
 
 
 def _new_codes(
-    p: int, m: int, costs: StageCosts, caps: list[float], backend: str, only=None
+    name: str, p: int, m: int, costs: StageCosts, caps: list[float], backend: str, only: set[int] | None = None
 ) -> list[tuple[int, Codes]]:
     """(index, plan) of every alternating-pass knob setting and block variant that finishes (``only``: those
-    indices)."""
+    indices).  zb-v's cap leaves the block nothing to add to the alternating pass (measured on the issue's table
+    and the regression grid), so only V-Half and V-Min search it."""
     out = []
     for i, knobs in enumerate(_ALT_KNOBS):
         if only is None or i in only:
             codes = alternate_codes(p, m, costs, caps, knobs, backend)
             if codes is not None:
                 out.append((i, codes))
-    if only is None or any(i >= len(_ALT_KNOBS) for i in only):
+    if name != "zb-v" and (only is None or any(i >= len(_ALT_KNOBS) for i in only)):
         for j, codes in enumerate(block_codes(p, m, costs, caps, backend)):
-            if codes is not None and (only is None or len(_ALT_KNOBS) + j in only):
+            if only is None or len(_ALT_KNOBS) + j in only:
                 out.append((len(_ALT_KNOBS) + j, codes))
     return out
 
@@ -189,19 +190,21 @@ def _candidates(
 
     n = 6 * p * m
     if backend == "cpp" or n <= _PROBE_ABOVE or _probe_m(p) >= m:
-        for _, codes in _new_codes(p, m, costs, caps, backend):
+        for _, codes in _new_codes(name, p, m, costs, caps, backend):
             add_codes(codes)
     else:  # the Python passes: compare the settings on a shorter plan, run the best few at full length
         pm = _probe_m(p)
-        scored = sorted((makespan(p, pm, costs, c, backend), i) for i, c in _new_codes(p, pm, costs, caps, backend))
-        for _, codes in _new_codes(p, m, costs, caps, backend, {i for _, i in scored[:_PROBE_KEEP]}):
+        scored = sorted(
+            (makespan(p, pm, costs, c, backend), i) for i, c in _new_codes(name, p, pm, costs, caps, backend)
+        )
+        for _, codes in _new_codes(name, p, m, costs, caps, backend, {i for _, i in scored[:_PROBE_KEEP]}):
             add_codes(codes)
     small = n <= _LEGACY_MAX_ACTIONS
     if small:  # the earlier caps, lowered to ``caps`` where these are lower (a memory limit)
         legacy = rank_caps(name, p, costs, None, units=_legacy_cap_units(name, p))
         for span, sched in _legacy_variants(name, p, m, costs, [min(a, b) for a, b in zip(caps, legacy)]):
             add_plan(span, sched)
-    if not small or name != "zb-v":
+    if small and name != "zb-v":  # the earlier template under the new caps (beyond: the block search does better)
         for ranks in template_plans(p, m, costs, caps):
             add_codes(to_codes(ranks, m))
     if name != "zb-v" and n <= _POLISH_MAX_ACTIONS:

@@ -7,20 +7,21 @@ F to its B and W), so the interval and the block's shape set the memory, and the
 throughput.  This module derives the block from the given per-stage costs and ``T_comm``:
 
 1. **Offsets** (``block_offsets``): one microbatch's F on stages ``0 .. 2p-1`` (down the ranks, then back up), its
-   loss, its B on ``2p-1 .. 0``, each as early as its dependency allows (plus ``T_comm`` across ranks, plus an
-   optional ``pad`` on every hop and ``turn`` before the loss's backward) such that copies repeated every
-   ``period`` never put two F/B passes on one rank at the same time (modulo scheduling).  The W passes are not part
-   of the block: a repeated block has exactly ``period - (F + B)`` of idle time per rank and period, and the W's
-   fill it in the squeeze.  ``collide=True`` takes the dependency chain as is (no slot search): the shortest
-   lifespans, with collisions left to the squeeze (a candidate where memory is tight).
+   loss, its B on ``2p-1 .. 0``, each as early as its dependency allows (plus ``T_comm`` across ranks, plus a
+   ``pad`` on every hop and a ``turn`` before the loss's backward) such that copies repeated every ``period`` never
+   put two F/B passes on one rank at the same time (modulo scheduling).  The W passes are not part of the block: a
+   repeated block leaves ``period - (F + B)`` idle per rank and period, and the W's fill it in the squeeze.
 2. **Repetition** (``block_order``): copy ``k`` is shifted by ``k x period``; every rank runs its F/B passes in
    start-time order.  This order fixes the memory: with each W right after its B the rank's peak is
-   ``order_floor``; the shortest period whose floor fits the cap is the one the schedule uses (``block_codes``
-   searches it from the busiest rank's work per microbatch upwards).
+   ``order_floor``, and only periods whose floor fits every rank's cap are used.
 3. **Squeeze** (``squeeze``): an event-driven pass runs each rank's F/B order as early as dependencies allow; a
    pending W runs when the next F/B is not ready yet (``fill``: always; ``fit``: only if it ends by then) and
    before any F/B that would overrun the cap.  The warm-up and cool-down of the repeated block shrink to what the
-   dependencies need, and the plan is then timed by the simulator like every other candidate.
+   dependencies need.
+4. **Search** (``block_codes``): turn, pad, period and fill are searched on a short probe plan (the squeezed
+   makespan decides; warm-up and cool-down are already in a plan of ``2p`` microbatches), and the best few are
+   squeezed at full length.  The shortest period that fits is not always best: a longer one also changes the
+   interleaving (on the issue's table V-Half is shortest 0-30% above it, V-Min near it).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import heapq
 import math
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.generators.v_shape_codes import Codes, cost_args, cpp, to_codes
+from zb_pipeline.schedule.generators.v_shape_codes import Codes, cost_args, cpp, makespan, to_codes
 from zb_pipeline.schedule.ir import Action, Kind, v_placement
 
 _EPS = 1e-9
@@ -56,7 +57,7 @@ def _slot(busy: list[tuple[float, float]], ready: float, dur: float, period: flo
 
 
 def block_offsets(
-    place: tuple[int, ...], costs: StageCosts, period: float, *, turn: float = 0.0, pad: float = 0.0, collide=False
+    place: tuple[int, ...], costs: StageCosts, period: float, *, turn: float = 0.0, pad: float = 0.0
 ) -> tuple[list[float], list[float]] | None:
     """Start offsets of one microbatch's F and B on every virtual stage (see the module docstring); ``None`` if a
     pass finds no free slot in the period."""
@@ -66,8 +67,6 @@ def block_offsets(
     o_f, o_b = [0.0] * S, [0.0] * S
 
     def put(s: int, ready: float, dur: float) -> float | None:
-        if collide:
-            return ready
         t = _slot(busy[place[s]], ready, dur, period)
         if t is not None:
             busy[place[s]].append((t % period, dur))
@@ -205,53 +204,102 @@ def squeeze(
     return plans
 
 
-# Variants of the block: (turn, pad) as fractions of the busiest rank's work per microbatch, and collide.
-BLOCK_VARIANTS: tuple[tuple[float, float, bool], ...] = ((0.0, 0.0, False), (0.0, 0.0, True))
-# Periods tried, as multiples of the busiest rank's work per microbatch (the first that fits is taken).
-_STRETCH = tuple(1.0 + 0.01 * i for i in range(21)) + tuple(1.2 + 0.05 * i for i in range(1, 37))
+# The block's shape is searched: ``turn`` and ``pad`` (fractions of the busiest rank's work per microbatch) and the
+# period, from that work upwards (``_STRETCH``, a multiple of it).  A longer period spaces the copies out: fewer in
+# flight, so less memory, and a different interleaving that the squeeze may run faster (measured on the issue's
+# table: V-Half is shortest 0-30% above the first period that fits, V-Min near the first).
+BLOCK_TURNS = (0.0, 0.1)
+BLOCK_PADS = (0.0, 0.01, 0.02, 0.03, 0.05, 0.08)
+BLOCK_FILLS = ("fill", "fit")
+_STEP = 0.04  # the period grid, as a multiple of the busiest rank's work per microbatch: 1, 1.04, ... (coarse) ...
+_COARSE = tuple(1.0 + _STEP * i for i in range(16))
+_PER_SHAPE = 8  # fitting periods tried per (turn, pad) on the coarse grid; then the best few +- _STEP / 2
+_REFINE = 3  # probe candidates whose neighbouring periods are tried too
+_KEEP = 3  # best probe candidates squeezed at full length
 
 
-def fitting_period(
-    p: int, m: int, costs: StageCosts, caps: list[float], turn: float, pad: float, collide: bool, backend: str
-) -> tuple[float, list[float], list[float]] | None:
-    """The shortest period (of ``_STRETCH``) whose repeated block fits every rank's cap, with the block's offsets."""
+def _probe_m(p: int, m: int) -> int:
+    """Microbatches of the probe plans the search compares (warm-up and cool-down are in; the steady state repeats)."""
+    return min(m, 2 * p)
+
+
+def _span(p: int, m: int, costs: StageCosts, caps: list[float], o_f, o_b, period: float, fill: str, backend: str):
+    """The simulated makespan of the squeezed block (inf if the squeeze cannot finish)."""
+    if backend == "cpp":
+        return cpp.squeeze_span(p, m, *cost_args(costs), caps, o_f, o_b, period, fill == "fill")
+    place = v_placement(p, 2)
+    plan = squeeze(place, m, costs, block_order(place, m, o_f, o_b, period), caps, fill)
+    return _INF if plan is None else makespan(p, m, costs, to_codes(plan, m), "python")
+
+
+def _floors(p: int, m: int, costs: StageCosts, o_f, o_b, period: float, backend: str) -> list[float]:
+    if backend == "cpp":
+        return cpp.order_floors(p, m, *cost_args(costs), o_f, o_b, period)
+    return [order_floor(o, costs) for o in block_order(v_placement(p, 2), m, o_f, o_b, period)]
+
+
+# With the Python reference only, plans beyond this many compute actions search a smaller grid (``_SMALL_GRID``).
+_PYTHON_FULL_GRID_ACTIONS = 12_000
+_SMALL_GRID = ((0.0,), (0.0, 0.02, 0.05), 4)  # turns, pads, fitting periods per (turn, pad)
+
+
+def block_codes(p: int, m: int, costs: StageCosts, caps: list[float], backend: str) -> list[Codes]:
+    """The best squeezed blocks (at most ``_KEEP``), as codes: every (turn, pad) x period x fill whose floor fits the
+    caps is squeezed on a probe of ``_probe_m`` microbatches (periods on a coarse grid, then the neighbours of the
+    best few), and the shortest few are squeezed at full length."""
+    turns, pads, per_shape = BLOCK_TURNS, BLOCK_PADS, _PER_SHAPE
+    if backend != "cpp" and 6 * p * m > _PYTHON_FULL_GRID_ACTIONS:
+        turns, pads, per_shape = _SMALL_GRID
     place = v_placement(p, 2)
     base = rank_work(costs, place)
-    for stretch in _STRETCH:
+    pm = _probe_m(p, m)
+    scored: list[tuple[float, int, list[float], list[float], float, str, tuple[float, float, float]]] = []
+
+    def offsets_that_fit(turn: float, pad: float, stretch: float):
         period = base * stretch
-        offsets = block_offsets(place, costs, period, turn=turn * base, pad=pad * base, collide=collide)
+        offsets = block_offsets(place, costs, period, turn=turn * base, pad=pad * base)
         if offsets is None:
-            continue
+            return None
         o_f, o_b = offsets
         life = max(o_b[s] + costs.b[s] - o_f[s] for s in range(2 * p))
         probe = min(m, int(life / period) + 3)  # enough copies for the steady state's peak
-        if backend == "cpp":
-            floors = cpp.order_floors(p, probe, *cost_args(costs), o_f, o_b, period)
-        else:
-            floors = [order_floor(o, costs) for o in block_order(place, probe, o_f, o_b, period)]
-        if all(fl <= cap + _EPS for fl, cap in zip(floors, caps)):
-            return period, o_f, o_b
-    return None
+        if any(fl > cap + _EPS for fl, cap in zip(_floors(p, probe, costs, o_f, o_b, period, backend), caps)):
+            return None
+        return o_f, o_b, period
 
-
-BLOCK_FILLS = ("fill", "fit")
-
-
-def block_codes(p: int, m: int, costs: StageCosts, caps: list[float], backend: str) -> list[Codes | None]:
-    """The squeezed plan of every block variant at its fitting period, as codes, in the order ``BLOCK_VARIANTS`` x
-    ``BLOCK_FILLS`` (``None`` where a variant has no period that fits)."""
-    place = v_placement(p, 2)
-    out: list[Codes | None] = []
-    for turn, pad, collide in BLOCK_VARIANTS:
-        found = fitting_period(p, m, costs, caps, turn, pad, collide, backend)
+    def probe(turn: float, pad: float, stretch: float) -> bool:
+        found = offsets_that_fit(turn, pad, stretch)
+        if found is None:
+            return False
+        o_f, o_b, period = found
         for fill in BLOCK_FILLS:
-            if found is None:
-                out.append(None)
-            elif backend == "cpp":
-                period, o_f, o_b = found
-                out.append(cpp.squeeze(p, m, *cost_args(costs), caps, o_f, o_b, period, fill == "fill"))
-            else:
-                period, o_f, o_b = found
-                plan = squeeze(place, m, costs, block_order(place, m, o_f, o_b, period), caps, fill)
-                out.append(None if plan is None else to_codes(plan, m))
+            span = _span(p, pm, costs, caps, o_f, o_b, period, fill, backend)
+            scored.append((span, len(scored), o_f, o_b, period, fill, (turn, pad, stretch)))
+        return True
+
+    for turn in turns:
+        for pad in pads:
+            tried = 0
+            for stretch in _COARSE:
+                tried += probe(turn, pad, stretch)
+                if tried >= per_shape:
+                    break
+    seen = {c[6] for c in scored}
+    for *_, (turn, pad, stretch) in sorted(scored, key=lambda c: (c[0], c[1]))[:_REFINE]:
+        for near in (stretch - _STEP / 2, stretch + _STEP / 2):
+            if near >= 1.0 - _EPS and (turn, pad, near) not in seen:
+                seen.add((turn, pad, near))
+                probe(turn, pad, near)
+    scored.sort(key=lambda x: (x[0], x[1]))
+    out = []
+    for span, _, o_f, o_b, period, fill, _ in scored[:_KEEP]:
+        if span == _INF:
+            continue
+        if backend == "cpp":
+            codes = cpp.squeeze(p, m, *cost_args(costs), caps, o_f, o_b, period, fill == "fill")
+        else:
+            plan = squeeze(place, m, costs, block_order(place, m, o_f, o_b, period), caps, fill)
+            codes = None if plan is None else to_codes(plan, m)
+        if codes is not None:
+            out.append(codes)
     return out

@@ -49,10 +49,18 @@ def to_codes(ranks: Sequence[Sequence[Action]], m: int) -> Codes:
     return [[(a.stage * m + a.microbatch) * 3 + _KIND_CODE[a.kind] for a in acts] for acts in ranks]
 
 
+def _action(stage: int, kind: Kind, mb: int) -> Action:
+    """``Action(stage, kind, mb)`` without re-running its checks (the codes are in range by construction)."""
+    a = object.__new__(Action)
+    for name, value in (("stage", stage), ("kind", kind), ("microbatch", mb), ("peer", None)):
+        object.__setattr__(a, name, value)
+    return a
+
+
 @functools.lru_cache(maxsize=4)
 def _table(num_stages: int, m: int) -> tuple[Action, ...]:
     """Code -> interned Action for ``num_stages`` stages and ``m`` microbatches."""
-    return tuple(Action(s, kind, k) for s in range(num_stages) for k in range(m) for kind in _KINDS)
+    return tuple(_action(s, kind, k) for s in range(num_stages) for k in range(m) for kind in _KINDS)
 
 
 def to_schedule(name: str, p: int, m: int, codes: Codes) -> Schedule:
