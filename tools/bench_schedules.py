@@ -1,4 +1,7 @@
-"""Benchmark the pipeline schedules: bubble rates over a table of settings, and zb-auto's search time.
+"""Benchmark the pipeline schedules: bubble rates, zb-auto's search time and the V schedules' time and quality.
+
+The V sections: the V schedules' generation time (compiled passes and Python fallback) and their bubble rates
+against the zero-bubble paper's ZB-V table.
 
 Writes ``bench/results/schedules.md`` and ``bench/results/schedules.png`` (``--out`` to change the folder).
 
@@ -18,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.generators import zb_auto, zb_auto_passes
+from zb_pipeline.schedule.generators import v_shape, v_shape_codes, zb_auto, zb_auto_passes
+from zb_pipeline.schedule.ir import v_placement
 from zb_pipeline.schedule.registry import available, generate, get
 from zb_pipeline.schedule.simulate import simulate
 
@@ -129,6 +133,76 @@ def search_times(shapes: Sequence[tuple[int, int]], repeats: int) -> list[tuple]
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- V schedules
+
+V_NAMES = ("zb-v", "v-half", "v-min")
+# The zero-bubble paper's ZB-V table (its Table 8): model, p, m, per-chunk F, B, W, T_comm (us); the paper's 1F1B,
+# ZB-H1 and ZB-V bubble rates.  tests/test_v_targets.py holds the same rows with the targets.
+PAPER_TABLE = (
+    ("6.2B", 16, 48, 14407, 14380, 9676, 1610, 0.2668, 0.1536, 0.0697),
+    ("6.2B", 16, 64, 14412, 14393, 9688, 1621, 0.2206, 0.1198, 0.0533),
+    ("6.2B", 16, 128, 14316, 14306, 9639, 1619, 0.1390, 0.0637, 0.0274),
+    ("14.6B", 24, 72, 6763, 6969, 5251, 755, 0.2699, 0.1439, 0.0638),
+    ("14.6B", 24, 96, 6783, 6984, 5259, 758, 0.2229, 0.1121, 0.0483),
+    ("14.6B", 24, 192, 6785, 6990, 5260, 770, 0.1403, 0.0595, 0.0250),
+    ("28.3B", 32, 96, 9458, 9748, 7288, 879, 0.2676, 0.1429, 0.0593),
+    ("28.3B", 32, 128, 9469, 9744, 7306, 892, 0.2204, 0.1111, 0.0451),
+    ("28.3B", 32, 256, 9447, 9644, 7193, 887, 0.1362, 0.0593, 0.0236),
+)
+
+
+def paper_costs(p: int, f: float, b: float, w: float, c: float) -> StageCosts:
+    """The table's costs as ``zb-schedule simulate NAME --chunks 2 --cost-f 2F ... --mem-f 1 --mem-b -0.6
+    --mem-w -0.4`` reads them (W keeps 40% of F's activation until it runs)."""
+    return StageCosts.build(
+        num_ranks=p, chunks=2, stage_to_rank=v_placement(p, 2), f=2 * f, b=2 * b, w=2 * w, comm=c, mem_f=1,
+        mem_b=-0.6, mem_w=-0.4,
+    )  # fmt: skip
+
+
+def paper_table_lines(rows: Sequence[int] | None = None) -> list[str]:
+    """The paper's columns beside ours (``rows``: those of ``PAPER_TABLE``, default all), each of our schedules at
+    its cap, with the targets of the issue."""
+    lines = [
+        "| model | p | m | paper 1F1B | paper ZB-H1 | paper ZB-V | our zb-v | our v-half (target) | "
+        "our v-min (target) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, (model, p, m, f, b, w, c, one_f_one_b, zb_h1, zb_v) in enumerate(PAPER_TABLE):
+        if rows is not None and i not in rows:
+            continue
+        costs = paper_costs(p, f, b, w, c)
+        got = {n: simulate(generate(n, p, m, chunks=2, costs=costs), costs).bubble_rate for n in V_NAMES}
+        half, low = (one_f_one_b + zb_h1) / 2, one_f_one_b + 0.12
+        lines.append(
+            f"| {model} | {p} | {m} | {one_f_one_b:.4f} | {zb_h1:.4f} | {zb_v:.4f} | {got['zb-v']:.4f} | "
+            f"{got['v-half']:.4f} ({half:.4f}) | {got['v-min']:.4f} ({low:.4f}) |"
+        )
+    return lines
+
+
+def v_generation_times(shapes: Sequence[tuple[int, int]], repeats: int, python_up_to: int = 32) -> list[tuple]:
+    """CPU and wall seconds of one V generation (median of ``repeats``; the registry's cache bypassed), with the
+    compiled passes and, up to ``python_up_to`` ranks, the Python fallback (one run), and the plan's bubble."""
+    rows = []
+    for p, m in shapes:
+        for kind, costs in (("uniform", StageCosts.uniform(2 * p)), ("table", paper_costs(p, 9447, 9644, 7193, 887))):
+            for name in V_NAMES:
+                for backend in ("cpp", "python"):
+                    if backend == "cpp" and v_shape_codes.cpp is None or backend == "python" and p > python_up_to:
+                        continue
+                    cpu, wall = [], []
+                    for _ in range(repeats if backend == "cpp" else 1):
+                        c0, t0 = time.process_time(), time.perf_counter()
+                        sched = v_shape.plan_v(name, p, m, chunks=2, costs=costs, mem_limit=None, backend=backend)
+                        cpu.append(time.process_time() - c0)
+                        wall.append(time.perf_counter() - t0)
+                    bubble = simulate(sched, costs).bubble_rate
+                    rows.append((f"p={p} m={m} {kind}", name, backend, statistics.median(cpu),
+                                 statistics.median(wall), bubble))  # fmt: skip
+    return rows
+
+
 def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
@@ -167,6 +241,31 @@ def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()
             f"| {label} | {limit} | {s_cpu:.3f} | {s_wall:.3f} | {cpu:.3f} | {wall:.3f} | {c_cpu:.3f} | {c_wall:.3f} "
             f"| {100 * max(0.0, bub):.2f}% | {100 * max(0.0, gap):.2f}% | {n} |"
         )
+    lines += [
+        "",
+        "## V schedules: generation time",
+        "",
+        "One call of the generator (zb-v, v-half, v-min at their caps) with the compiled passes (`_v_shape_cpp`, "
+        "median of repeated calls) and with the Python fallback (one call; up to p = 32). Targets (C++): at most 1 s "
+        "at p=32, m=256 and at most 5 s at p=64, m=512. 'table' costs: the zero-bubble paper's 28.3B row (F, B, W "
+        "per chunk 9447, 9644, 7193 us, T_comm 887 us, W keeping 40% of F's activation).",
+        "",
+        "| shape, costs | schedule | backend | CPU (s) | wall (s) | bubble |",
+        "|---|---|---|---|---|---|",
+    ]
+    v_shapes, python_up_to = (shapes[:1], 0) if args.quick else (shapes, 32)
+    for label, name, backend, cpu, wall, bubble in v_generation_times(v_shapes, 1 if args.quick else 3, python_up_to):
+        lines.append(f"| {label} | {name} | {backend} | {cpu:.2f} | {wall:.2f} | {100 * bubble:.2f}% |")
+    lines += [
+        "",
+        "## V schedules against the zero-bubble paper's table",
+        "",
+        "The paper's ZB-V table (per-chunk costs, T_comm = c), bubble rates; ours simulated at each schedule's cap "
+        "(zb-v p, v-half floor((p+2)/2), v-min floor((p+4)/3) microbatches of a rank's activation). Targets: zb-v at "
+        "or below the paper's ZB-V; v-half at most halfway between ZB-H1 and 1F1B; v-min at most 1F1B + 12 points.",
+        "",
+        *paper_table_lines((0, 3, 8) if args.quick else None),
+    ]
     (out / "schedules.md").write_text("\n".join(lines) + "\n")
     _chart(out / "schedules.png", settings, columns, table)
     print(f"wrote {out / 'schedules.md'} and {out / 'schedules.png'}")
