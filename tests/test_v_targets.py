@@ -26,22 +26,12 @@ from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import v_placement
 from zb_pipeline.schedule.memory import peak_memory
+from zb_pipeline.schedule.paper_tables import ZB_V_TABLE
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.schedule.validate import check_and_lower
 
-# model, p, m, F, B, W, c (per chunk, us), the paper's 1F1B, ZB-H1 and ZB-V bubble rates
-TABLE = (
-    ("6.2B", 16, 48, 14407, 14380, 9676, 1610, 0.2668, 0.1536, 0.0697),
-    ("6.2B", 16, 64, 14412, 14393, 9688, 1621, 0.2206, 0.1198, 0.0533),
-    ("6.2B", 16, 128, 14316, 14306, 9639, 1619, 0.1390, 0.0637, 0.0274),
-    ("14.6B", 24, 72, 6763, 6969, 5251, 755, 0.2699, 0.1439, 0.0638),
-    ("14.6B", 24, 96, 6783, 6984, 5259, 758, 0.2229, 0.1121, 0.0483),
-    ("14.6B", 24, 192, 6785, 6990, 5260, 770, 0.1403, 0.0595, 0.0250),
-    ("28.3B", 32, 96, 9458, 9748, 7288, 879, 0.2676, 0.1429, 0.0593),
-    ("28.3B", 32, 128, 9469, 9744, 7306, 892, 0.2204, 0.1111, 0.0451),
-    ("28.3B", 32, 256, 9447, 9644, 7193, 887, 0.1362, 0.0593, 0.0236),
-)
+TABLE = ZB_V_TABLE  # model, p, m, F, B, W, c (per chunk, us), the paper's 1F1B, ZB-H1, ZB-V bubble rates
 
 # (schedule, row index) -> the bubble measured now, where the target is not reached yet.
 MISSES: dict[tuple[str, int], float] = {

@@ -228,8 +228,8 @@ def _prediction_lines() -> list[str]:
         "deferred W work holds), resident per rank, maximum over a profiled window; predicted: the simulator's "
         "running sum of the profiled per-stage deltas over the plan. Target: within 10%. Stated bounds, in "
         "microbatches of each rank's own activation (peak bytes / its stages' profiled per-microbatch bytes, max "
-        "over ranks): 1F1B, ZB-H1 and ZB-V p; ZB-H2 and zb-auto (default limit) 2p - 1; V-Half (p + 1) / 2; "
-        "V-Min (ceil(2p/3) + 1) / 2; GPipe m.",
+        "over ranks): 1F1B, ZB-H1 and ZB-V p; ZB-H2 and zb-auto (default limit) 2p - 1; V-Half floor((p + 2) / 2); "
+        "V-Min floor((p + 4) / 3); GPipe m (the registry's memory_bound of each schedule).",
         "",
         "![real](pipeline_real.png)",
         "",

@@ -23,6 +23,7 @@ from pathlib import Path
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators import v_shape, v_shape_codes, zb_auto, zb_auto_passes
 from zb_pipeline.schedule.ir import v_placement
+from zb_pipeline.schedule.paper_tables import ZB_V_TABLE
 from zb_pipeline.schedule.registry import available, generate, get
 from zb_pipeline.schedule.simulate import simulate
 
@@ -136,19 +137,8 @@ def search_times(shapes: Sequence[tuple[int, int]], repeats: int) -> list[tuple]
 # ---------------------------------------------------------------------------------------------- V schedules
 
 V_NAMES = ("zb-v", "v-half", "v-min")
-# The zero-bubble paper's ZB-V table (its Table 8): model, p, m, per-chunk F, B, W, T_comm (us); the paper's 1F1B,
-# ZB-H1 and ZB-V bubble rates.  tests/test_v_targets.py holds the same rows with the targets.
-PAPER_TABLE = (
-    ("6.2B", 16, 48, 14407, 14380, 9676, 1610, 0.2668, 0.1536, 0.0697),
-    ("6.2B", 16, 64, 14412, 14393, 9688, 1621, 0.2206, 0.1198, 0.0533),
-    ("6.2B", 16, 128, 14316, 14306, 9639, 1619, 0.1390, 0.0637, 0.0274),
-    ("14.6B", 24, 72, 6763, 6969, 5251, 755, 0.2699, 0.1439, 0.0638),
-    ("14.6B", 24, 96, 6783, 6984, 5259, 758, 0.2229, 0.1121, 0.0483),
-    ("14.6B", 24, 192, 6785, 6990, 5260, 770, 0.1403, 0.0595, 0.0250),
-    ("28.3B", 32, 96, 9458, 9748, 7288, 879, 0.2676, 0.1429, 0.0593),
-    ("28.3B", 32, 128, 9469, 9744, 7306, 892, 0.2204, 0.1111, 0.0451),
-    ("28.3B", 32, 256, 9447, 9644, 7193, 887, 0.1362, 0.0593, 0.0236),
-)
+# The zero-bubble paper's ZB-V table (zb_pipeline.schedule.paper_tables; tests/test_v_targets.py asserts the targets).
+PAPER_TABLE = ZB_V_TABLE
 
 
 def paper_costs(p: int, f: float, b: float, w: float, c: float) -> StageCosts:
