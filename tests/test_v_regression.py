@@ -13,6 +13,7 @@ grid in ``make test-slow``.
 from __future__ import annotations
 
 import pytest
+from test_v_schedules import costs_for
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import v_placement
@@ -21,26 +22,9 @@ from zb_pipeline.schedule.simulate import simulate
 
 
 def grid_costs(kind: str, p: int) -> StageCosts:
-    S = 2 * p
-    if kind == "uniform":
-        return StageCosts.uniform(S)
-    if kind == "w-half":
-        return StageCosts.uniform(S, f=1.0, b=1.0, w=0.5)
-    if kind == "hetero":
-        f = [1.0 + 0.1 * (s % 3) for s in range(S)]
-        f[0] += 0.7
-        f[-1] += 1.5
-        mem_f = [1.0 + 0.25 * (s % 2) for s in range(S)]
-        return StageCosts(
-            f=tuple(f),
-            b=tuple(2.0 * x for x in f),
-            w=tuple(0.6 * x for x in f),
-            comm=0.3,
-            mem_f=tuple(mem_f),
-            mem_b=(0.0,) * S,
-            mem_w=tuple(-x for x in mem_f),
-        )
-    assert kind == "paper", kind
+    """``test_v_schedules.costs_for``'s settings, plus the zero-bubble paper's ratios ("paper")."""
+    if kind != "paper":
+        return costs_for(kind, p)
     return StageCosts.build(
         num_ranks=p, chunks=2, stage_to_rank=v_placement(p, 2), f=2.0, b=2.0, w=1.34, comm=0.11, mem_f=1,
         mem_b=-0.6, mem_w=-0.4,

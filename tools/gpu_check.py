@@ -133,26 +133,30 @@ def mfu(flops: int, seconds: float, peak_tflops: float | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------- timing
-class _Timer:
-    """Times a callable with CUDA events on CUDA, ``perf_counter`` on CPU; returns seconds."""
-
-    def __init__(self, device) -> None:
+def time_call(fn: Callable[[], object], *, cuda: bool) -> float:
+    """Seconds one call of ``fn`` takes: CUDA events on CUDA, ``perf_counter`` on CPU (the check's one clock)."""
+    if cuda:
         import torch
 
-        self.torch, self.cuda = torch, device.type == "cuda"
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class _Timer:
+    """``time_call`` on ``device``."""
+
+    def __init__(self, device) -> None:
+        self.cuda = device.type == "cuda"
 
     def __call__(self, fn: Callable[[], None]) -> float:
-        torch = self.torch
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        return time_call(fn, cuda=self.cuda)
 
 
 def build_stack(shape: StackShape, device, dtype, kernels: str = "torch"):

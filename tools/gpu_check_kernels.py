@@ -33,6 +33,7 @@ if REPO not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from gpu_check import time_call  # noqa: E402  (tools/ is on sys.path: this file runs from there)
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 5e-3, "float32": 1e-4}
 W_TOLERANCE = 1e-4  # the W kernel against the fp32 reference (its point: no half-precision rounding)
@@ -62,16 +63,7 @@ class Timer:
         self.cuda, self.warmup, self.repeats = device.type == "cuda", warmup, repeats
 
     def once(self, fn: Callable[[], object]) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
+        return time_call(fn, cuda=self.cuda)
 
     def median(self, fn: Callable[[], object]) -> float:
         for _ in range(self.warmup):

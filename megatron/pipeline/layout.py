@@ -47,7 +47,7 @@ def pipeline_layout(
     """Generate the plan and split the layers over its virtual stages; ``ConfigError`` if the shape does not fit
     (called while parsing the flags, so a bad shape exits 2 before any rank starts communicating)."""
     plans = config.plan_source(pp=pp, num_layers=num_layers)
-    schedule = config.build_schedule(pp=pp, num_microbatches=num_microbatches, num_layers=num_layers)
+    schedule = config.build_schedule(pp=pp, num_microbatches=num_microbatches, num_layers=num_layers, source=plans)
     sizes = split_layers(
         num_layers, schedule.num_stages, first=first_stage_layers, last=last_stage_layers, allow_padding=allow_padding
     )

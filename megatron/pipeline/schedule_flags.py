@@ -125,10 +125,13 @@ class ScheduleConfig:
         mem_limit = self.mem_limit if registry.get(self.schedule).takes_mem_limit else None
         return PlanSource(self.schedule, num_ranks=pp, chunks=chunks, costs=costs, mem_limit=mem_limit)
 
-    def build_schedule(self, *, pp: int, num_microbatches: int, num_layers: int, costs: Any = None):
+    def build_schedule(
+        self, *, pp: int, num_microbatches: int, num_layers: int, costs: Any = None, source: PlanSource | None = None
+    ):
         """The ``Schedule`` to run (generated once: the registry caches it); ``ConfigError`` with the fix on bad
-        shapes."""
-        source = self.plan_source(pp=pp, num_layers=num_layers, costs=costs)
+        shapes.  ``source``: this config's ``plan_source`` when the caller has it (a plan file is then read once)."""
+        if source is None:
+            source = self.plan_source(pp=pp, num_layers=num_layers, costs=costs)
         if self.schedule_file is not None:
             plan = source.fixed
             require(

@@ -206,12 +206,12 @@ class PipelineRuntime:
     def forward_only(self, microbatches: Sequence[Any]) -> list[torch.Tensor]:
         """Forward passes only (evaluation): every rank's F actions in microbatch order, lowered like any plan (so
         P2P keeps the strict order and its timeouts), on a second executor sharing the stages and the store."""
-        schedule = self.plans.schedule(len(microbatches))
+        m = len(microbatches)
         ex = self._forward_executor
         if ex is None:
-            ex = self._forward_executor = self._build_forward_executor(schedule)
-        elif ex.num_microbatches != len(microbatches):
-            ex.load_plan(lower(forward_only_plan(schedule)))
+            ex = self._forward_executor = self._build_forward_executor(self.plans.schedule(m))
+        elif ex.num_microbatches != m:
+            ex.load_plan(lower(forward_only_plan(self.plans.schedule(m))))
         self._batches = microbatches
         try:
             return ex.run()
