@@ -5,7 +5,8 @@ the tokenizer files the checkpoint records, with a ``tokenizer_config.json`` nam
 class where there is one.  The layout follows the model: learned absolute positions -> GPT-2, rotary -> Llama
 (``megatron.hf.gpt2_layout``, ``megatron.hf.llama_layout``).
 
-Import reads ``config.json`` (``model_type`` "gpt2" or "llama") and ``model.safetensors`` (or a sharded
+Export also keeps the training settings neither layout has (sequence length, vocabulary padding multiple, hidden
+dropout) under a ``zb_megatron`` key of ``config.json``, which import reads back.  Import reads ``config.json`` (``model_type`` "gpt2" or "llama") and ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``), maps the weights and writes a checkpoint at iteration 0 with no optimizer state
 at any tp x pp (``megatron.checkpoint_repartition``), with the tokenizer files it finds.  Weights that the layout
 does not place (a part our model lacks) are refused, as is any config feature our model lacks.
@@ -13,6 +14,7 @@ does not place (a part our model lacks) are refused, as is any config feature ou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import ModuleType
@@ -29,6 +31,10 @@ from megatron.tokenizer.recorded import record_from_files, recorded_files, recor
 LAYOUTS: dict[str, ModuleType] = {gpt2_layout.MODEL_TYPE: gpt2_layout, llama_layout.MODEL_TYPE: llama_layout}
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+# our training settings that neither layout's config has, kept in config.json (transformers ignores the key) so that
+# export -> import gives back the same model config
+TRAINING_KEY = "zb_megatron"
+TRAINING_FIELDS = ("seq_length", "make_vocab_size_divisible_by", "hidden_dropout")
 # buffers some Hugging Face checkpoints carry besides the weights (GPT-2's causal masks, Llama's rotary table)
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -60,6 +66,7 @@ def export_hf(load: str | Path, out: str | Path, *, iteration: int | None = None
     out.mkdir(parents=True, exist_ok=True)
     hf = layout.hf_config(config)
     hf["torch_dtype"] = _DTYPE_NAMES.get(full["embedding.word_embeddings.weight"].dtype, "float32")
+    hf[TRAINING_KEY] = {name: getattr(config, name) for name in TRAINING_FIELDS}
     tokenizer_files = recorded_files(directory, common, manifest)
     if tokenizer_files:
         tokenizer = recorded_tokenizer(directory, common, manifest)
@@ -141,6 +148,9 @@ def import_hf(
     hf, layout = read_hf_config(source)
     try:
         config = layout.gpt_config(hf, seq_length=seq_length)
+        ours = hf.get(TRAINING_KEY) or {}
+        kept = {n: ours[n] for n in TRAINING_FIELDS if n in ours and not (n == "seq_length" and seq_length)}
+        config = dataclasses.replace(config, **kept)
     except ConfigError as err:
         raise ConfigError(f"--import-hf {source}: {err}") from None
     tensors = layout.canonical_names(read_hf_tensors(source))
