@@ -117,3 +117,26 @@ def test_generate_cli_bad_input_is_one_line(tmp_path, capsys) -> None:
     model = model_from_state(tiny_config(), {n: t for n, t in build_gpt_model(tiny_config()).state_dict().items()})
     with pytest.raises(ValueError, match="positions"):
         generate(model, [1] * 10, SamplingConfig(max_new_tokens=10))
+
+
+def test_training_run_records_its_tokenizer(tmp_path, capsys) -> None:
+    import io
+
+    from megatron import checkpoint_files as cf
+    from megatron.arguments import parse_run_config
+    from megatron.training import pretrain
+
+    tok = train_small_bpe(str(tmp_path / "tok"), vocab_size=300)
+    argv = [
+        "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
+        "--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tok["vocab_file"],
+        "--merge-file", tok["merge_file"], "--micro-batch-size", "1", "--global-batch-size", "1",
+        "--train-iters", "1", "--eval-iters", "0", "--lr", "1e-3", "--save", str(tmp_path / "ckpt"),
+    ]  # fmt: skip
+    pretrain(parse_run_config(argv), stream=io.StringIO())
+    manifest = cf.read_manifest(cf.iteration_dir(tmp_path / "ckpt", 1))
+    assert {"tokenizer/vocab.json", "tokenizer/merges.txt"} <= set(manifest)
+    argv = ["--load", str(tmp_path / "ckpt"), "--prompt", "fox", "--max-new-tokens", "8", "--json"]
+    assert tool("generate").main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 1 <= len(out["generated_ids"]) <= 8 and max(out["generated_ids"]) < 300
