@@ -219,26 +219,23 @@ def convert(load: str | Path, save: str | Path, *, tp: int, pp: int, dp: int, it
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def split_metadata(config: GPTConfig) -> dict[str, dict[str, Any]]:
-    """How each global parameter of ``config``'s model is split over tensor-parallel ranks, read off a one-layer
-    model of the same structure at minimal sizes (the layers themselves are the one source of this fact)."""
-    small = dataclasses.replace(
-        config,
-        num_layers=1,
-        hidden_size=2 * config.num_attention_heads,
-        kv_channels=2,
-        ffn_hidden_size=2,
-        vocab_size=1,
-        seq_length=1,
-        max_position_embeddings=1,
-        make_vocab_size_divisible_by=1,
-    )
-    meta = {}
-    for name, m in model_split_metadata(build_gpt_model(small)).items():
-        if name.startswith("layers.0."):
-            meta.update({f"layers.{i}.{name[len('layers.0.') :]}": m for i in range(config.num_layers)})
-        else:
-            meta[name] = m
+def check_model_state(config: GPTConfig, full: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """``ConfigError`` unless ``full`` (global names, vocabulary unpadded) holds exactly the tensors of ``config``'s
+    model with their shapes; returns how each is split over tensor-parallel ranks.  Both facts are read off the
+    model itself, built on the meta device (no memory, no initialisation cost)."""
+    with torch.device("meta"):
+        model = build_gpt_model(config)
+    meta = model_split_metadata(model)
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    for name, m in meta.items():
+        if m["vocab"]:
+            expected[name] = (config.vocab_size, *expected[name][1:])
+    missing, unexpected = sorted(set(expected) - set(full)), sorted(set(full) - set(expected))
+    if missing or unexpected:
+        raise ConfigError(f"the weights do not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, shape in expected.items():
+        if tuple(full[name].shape) != shape:
+            raise ConfigError(f"{name} has shape {tuple(full[name].shape)}, the model config needs {shape}")
     return meta
 
 
@@ -278,5 +275,5 @@ def write_model_checkpoint(
         "tokenizer": tokenizer,
         "source": source,
     }
-    meta = split_metadata(config)
+    meta = check_model_state(config, full)
     return write_checkpoint(save, common, full, meta, tp=tp, pp=pp, tokenizer_files=tokenizer_files)

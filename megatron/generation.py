@@ -5,8 +5,11 @@
 
 Decoding feeds the prompt once, then one token at a time against the cached keys and values
 (``megatron.model.kv_cache``); ``use_cache=False`` recomputes the whole sequence each step instead (the reference
-the tests hold the cache to).  Sampling: logits over the real vocabulary (padding rows never win; nor ids the tokenizer
-cannot decode when the model's vocabulary is larger) divided by the temperature, then top-k, then top-p (the smallest set of most likely tokens whose probability reaches p), drawn
+the tests hold the cache to).
+
+Sampling: the logits of the ids that may be drawn (the real vocabulary, never the padding rows, nor ids the
+tokenizer cannot decode when the model's vocabulary is larger) are divided by the temperature, then cut to the
+top-k, then to the top-p (the smallest set of most likely tokens whose probability reaches p), and one id is drawn
 from a generator seeded by ``seed``; temperature 0 is greedy (argmax).  Generation stops after ``max_new_tokens``
 or at the tokenizer's end-of-document id (``eod``), which is kept in the output.
 """

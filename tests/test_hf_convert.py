@@ -179,8 +179,12 @@ def test_unsupported_models_are_refused_with_one_line(tmp_path, capsys) -> None:
     cfg.pop("rope_parameters", None)
     (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
     assert "rotary scaling" in _refused(["--import-hf", str(tmp_path / "llama"), "--save", "x"], capsys)
+    llama.config.num_key_value_heads = 4  # config.json no longer fits the k/v weights
+    llama.config.save_pretrained(tmp_path / "llama")
+    assert "do not match config.json" in _refused(["--import-hf", str(tmp_path / "llama"), "--save", "x"], capsys)
     # our side: a model neither layout expresses
     config = tiny_config(position_embedding_type="rope", normalization="LayerNorm")
-    write_model_checkpoint(tmp_path / "ckpt", config, build_gpt_model(config).state_dict())
+    full = {n: t[:VOCAB] if "word_embeddings" in n else t for n, t in build_gpt_model(config).state_dict().items()}
+    write_model_checkpoint(tmp_path / "ckpt", config, full)
     err = _refused(["--load", str(tmp_path / "ckpt"), "--export-hf", str(tmp_path / "out")], capsys)
     assert "LayerNorm with rotary positions" in err

@@ -6,7 +6,9 @@ class where there is one.  The layout follows the model: learned absolute positi
 (``megatron.hf.gpt2_layout``, ``megatron.hf.llama_layout``).
 
 Export also keeps the training settings neither layout has (sequence length, vocabulary padding multiple, hidden
-dropout) under a ``zb_megatron`` key of ``config.json``, which import reads back.  Import reads ``config.json`` (``model_type`` "gpt2" or "llama") and ``model.safetensors`` (or a sharded
+dropout) under a ``zb_megatron`` key of ``config.json``, which import reads back.
+
+Import reads ``config.json`` (``model_type`` "gpt2" or "llama") and ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``), maps the weights and writes a checkpoint at iteration 0 with no optimizer state
 at any tp x pp (``megatron.checkpoint_repartition``), with the tokenizer files it finds.  Weights that the layout
 does not place (a part our model lacks) are refused, as is any config feature our model lacks.
@@ -158,6 +160,9 @@ def import_hf(
         state = layout.from_hf(tensors, config)
     except ConfigError as err:
         raise ConfigError(f"--import-hf {source}: {err}") from None
+    except RuntimeError as err:  # a tensor whose size does not fit the reshapes of config.json's sizes
+        first = str(err).splitlines()[0]
+        raise ConfigError(f"--import-hf {source}: the weights do not match config.json's sizes ({first})") from None
     placed = set(layout.to_hf(state, config))
     tied_copy = {"lm_head.weight"} if config.tied_embeddings else set()
     extra = sorted(n for n in set(tensors) - placed - tied_copy if not n.endswith(_BUFFER_SUFFIXES))
@@ -166,7 +171,10 @@ def import_hf(
             f"--import-hf {source}: the model has weights our GPT model has no place for: {', '.join(extra[:3])}"
         )
     record, tokenizer_files = record_from_files(source)
-    out = write_model_checkpoint(
-        save, config, state, tp=tp, pp=pp, tokenizer=record, tokenizer_files=tokenizer_files, source=str(source)
-    )
+    try:
+        out = write_model_checkpoint(
+            save, config, state, tp=tp, pp=pp, tokenizer=record, tokenizer_files=tokenizer_files, source=str(source)
+        )
+    except ConfigError as err:
+        raise ConfigError(f"--import-hf {source}: {err}") from None
     return out, config
