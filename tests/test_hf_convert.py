@@ -21,10 +21,12 @@ transformers.utils.logging.disable_progress_bar()
 
 from safetensors.torch import load_file  # noqa: E402
 
+from megatron.arguments import parse_run_config  # noqa: E402
 from megatron.checkpoint_repartition import read_full_model, write_model_checkpoint  # noqa: E402
 from megatron.generation import SamplingConfig, generate, model_from_state  # noqa: E402
 from megatron.hf import export_hf, import_hf  # noqa: E402
 from megatron.model import GPTConfig, build_gpt_model  # noqa: E402
+from megatron.model.config import model_flags  # noqa: E402
 from megatron.tokenizer.build import TokenizerConfig  # noqa: E402
 from megatron.tokenizer.recorded import tokenizer_sources  # noqa: E402
 
@@ -123,6 +125,9 @@ def test_import_of_a_transformers_model(kind: str, tmp_path) -> None:
     split, _ = read_full_model(tmp_path / "tp2pp2")
     assert split.keys() == full.keys() and all(torch.equal(split[n], full[n]) for n in full)
     assert common["iteration"] == 0 and not common["has_optimizer"] and config.seq_length == 16
+    # the flags the import prints build this config
+    argv = [*model_flags(config), "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "1"]
+    assert parse_run_config([*argv, "--train-iters", "1", "--lr", "1e-3"]).model == config
     model = model_from_state(config, full)
     tokens = _tokens(s=20)
     with torch.no_grad():

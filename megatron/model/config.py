@@ -198,7 +198,9 @@ def model_flags(config: GPTConfig) -> list[str]:
         swiglu=config.swiglu,
     )
     flags: list[str] = []
-    required = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
+    required = ["num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"]
+    if config.hidden_size % config.num_attention_heads:
+        required.append("kv_channels")  # no default then
     for f in dataclasses.fields(GPTConfig):
         value = getattr(config, f.name)
         default = GPTConfig.default(f.name) if isinstance(value, bool) else getattr(base, f.name)
