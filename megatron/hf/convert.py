@@ -125,8 +125,11 @@ def read_hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
     if (directory / WEIGHTS).is_file():
         files = [directory / WEIGHTS]
     elif (directory / WEIGHTS_INDEX).is_file():
-        index = json.loads((directory / WEIGHTS_INDEX).read_text())
-        files = [directory / name for name in sorted(set(index["weight_map"].values()))]
+        try:
+            index = json.loads((directory / WEIGHTS_INDEX).read_text())
+            files = [directory / name for name in sorted(set(index["weight_map"].values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ConfigError(f"--import-hf {directory / WEIGHTS_INDEX} is not a valid index ({err!r})") from None
     else:
         raise ConfigError(
             f"--import-hf {directory} has no {WEIGHTS} (or {WEIGHTS_INDEX}); save the model with safetensors"
