@@ -137,6 +137,11 @@ def test_import_of_a_transformers_model(kind: str, tmp_path) -> None:
     prompt = [7, 1, 8, 2]
     greedy = generate(model, prompt, SamplingConfig(max_new_tokens=12, temperature=0))
     assert greedy == _greedy_hf(hf, prompt, 12) and len(set(greedy)) > 1
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # model.safetensors.index.json + shards
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    import_hf(tmp_path / "sharded", tmp_path / "from_shards", seq_length=16)
+    sharded, _ = read_full_model(tmp_path / "from_shards")
+    assert sharded.keys() == full.keys() and all(torch.equal(sharded[n], full[n]) for n in full)
 
 
 def test_tokenizer_files_travel_and_load_in_transformers(tmp_path) -> None:
