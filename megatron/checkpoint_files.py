@@ -6,6 +6,7 @@ Layout of one checkpoint (``iter_0000010/`` under ``--save``)::
     model_tp00_pp000.pt          weights of one (tp, pp) position, keyed by global parameter name, + split metadata
     optim_tp00_pp000_dp000.pt    optimizer pieces (fp32 main params, Adam moments) of one data-parallel shard
     rng_rank00000.pt             Python, NumPy and torch RNG states of one rank
+    tokenizer/                   the tokenizer's files (vocab.json + merges.txt, tokenizer.json or tokenizer.model)
     manifest.json                size and sha256 of every file above (written last)
 
 and ``latest_checkpointed_iteration.txt`` next to the ``iter_*`` directories names the newest complete one.
@@ -125,6 +126,18 @@ def write_tensor_file(path: Path, obj: Any, *, rank: int = 0) -> dict[str, Any]:
     return file_entry(path)
 
 
+def copy_file(source: str | Path, path: Path, *, rank: int = 0) -> dict[str, Any]:
+    """Copy ``source`` byte for byte to ``path`` (parent directories made), fsync it; returns its manifest entry."""
+    FAULTS.before_write(rank, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(source, "rb") as src, open(path, "wb") as f:
+        shutil.copyfileobj(src, f)
+        f.flush()
+        os.fsync(f.fileno())
+    FAULTS.written += 1
+    return file_entry(path)
+
+
 def file_entry(path: Path) -> dict[str, Any]:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -237,6 +250,11 @@ def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
 
 def verified_load(directory: Path, name: str, manifest: dict[str, dict[str, Any]]) -> Any:
     """Load ``directory/name`` after checking it against the manifest; never unpickles code."""
+    return safe_torch_load(verified_path(directory, name, manifest))
+
+
+def verified_path(directory: Path, name: str, manifest: dict[str, dict[str, Any]]) -> Path:
+    """``directory/name`` after checking its size and sha256 against the manifest (``ConfigError`` if they differ)."""
     path = directory / name
     entry = manifest.get(name)
     if entry is None:
@@ -254,7 +272,7 @@ def verified_load(directory: Path, name: str, manifest: dict[str, dict[str, Any]
             f"checkpoint file {path} is damaged: its sha256 does not match the manifest; "
             "restore it or load an earlier iteration"
         )
-    return safe_torch_load(path)
+    return path
 
 
 def safe_torch_load(path: Path) -> Any:

@@ -10,8 +10,8 @@ What a checkpoint holds (files and atomic commit: ``megatron.checkpoint_files``)
   per (tp, pp) (plain): the loader re-tiles the pieces, so either optimizer, at any data-parallel size, resumes from
   either kind;
 - the LR schedule, the loss scaler, the iteration, the data position, skip/nan counters, the model and layout
-  configs (``common.pt``); every rank's Python, NumPy and torch RNG states (and a tensor-parallel RNG tracker's,
-  when the model has one).
+  configs (``common.pt``) and the tokenizer's files (``tokenizer/``, for generation and export); every rank's
+  Python, NumPy and torch RNG states (and a tensor-parallel RNG tracker's, when the model has one).
 
 Every rank takes part in a save and a load; errors found by any rank are shared, so all ranks fail together with
 one message (no rank waits forever in a collective).
@@ -30,6 +30,7 @@ import torch
 from megatron import checkpoint_files as cf
 from megatron.config.errors import ConfigError, RunAbortedError
 from megatron.parallel.tensor_parallel import VocabParallelEmbedding
+from megatron.tokenizer.recorded import copy_tokenizer_files, tokenizer_sources
 from zb_pipeline import comm
 
 if TYPE_CHECKING:
@@ -124,6 +125,7 @@ def common_state(tr: Trainer, iteration: int) -> dict[str, Any]:
         # the model config, and the padded vocabulary for tools/checkpoint_convert.py (checked apart: it follows tp)
         "model_args": {**dataclasses.asdict(tr.run.model), "padded_vocab_size": tr.run.padded_vocab_size},
         "layout": layout_of(tr),
+        "tokenizer": tokenizer_sources(tr.run.data)[0],  # its files go under tokenizer/ (megatron.tokenizer.recorded)
         "has_rng": True,
         "has_optimizer": True,
     }
@@ -166,6 +168,7 @@ def save_checkpoint(tr: Trainer, *, log=None) -> Path:
         try:
             if ctx.rank == 0:
                 entries[cf.COMMON] = cf.write_tensor_file(tmp / cf.COMMON, common_state(tr, it), rank=ctx.rank)
+                entries.update(copy_tokenizer_files(tokenizer_sources(tr.run.data)[1], tmp, rank=ctx.rank))
             if ctx.dp_rank == 0:
                 name = cf.model_file(ctx.tp_rank, ctx.pp_rank)
                 payload = {"params": model_state(tr.model), "meta": model_split_metadata(tr.model)}

@@ -3,6 +3,9 @@
 The fused QKV projection's output rows are laid out group by group: for each query group g,
 ``[q heads of g (heads/groups x d) | k_g (d) | v_g (d)]``.  A tensor-parallel rank holds a contiguous run of whole
 groups, so its shard is a plain slice of the full weight, whatever the tp size.
+
+With a ``LayerKVCache`` (inference only) the new tokens' keys and values are appended to the cache and the queries
+attend to every cached position up to their own (``attend_cached``); without one the code path is the training one.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.model.config import GPTConfig
+from megatron.model.kv_cache import LayerKVCache
 from megatron.model.rope import apply_rotary
 from megatron.parallel.tensor_parallel import ColumnParallelLinear, HasTensorParallel, RowParallelLinear
 
@@ -31,9 +35,17 @@ class SelfAttention(torch.nn.Module):
             config.query_projection_size, config.hidden_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
         )
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
         qkv = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
+        if kv_cache is not None:
+            shape = dict(groups=self.groups, heads_per_group=self.heads_per_group, head_dim=self.head_dim)
+            return self.linear_proj(attend_cached(qkv, kv_cache, rotary=rotary, **shape))
         out = attend(
             qkv,
             groups=self.groups,
@@ -59,6 +71,45 @@ def attend(
     ``qkv``: ``[s, b, groups * (heads_per_group + 2) * head_dim]`` -> ``[s, b, groups * heads_per_group * head_dim]``.
     Shared by ``SelfAttention`` and the Transformer Engine layers (``megatron.kernels.transformer_engine``)."""
     s, b = qkv.shape[0], qkv.shape[1]
+    hpg = heads_per_group
+    q, k, v = _split_heads(qkv, groups=groups, heads_per_group=hpg, head_dim=head_dim, rotary=rotary)
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=hpg > 1)
+    return out.permute(2, 0, 1, 3).reshape(s, b, groups * hpg * head_dim)  # [b, nq, s, d] -> [s, b, nq * d]
+
+
+def attend_cached(
+    qkv: torch.Tensor,
+    cache: LayerKVCache,
+    *,
+    groups: int,
+    heads_per_group: int,
+    head_dim: int,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """``attend`` for new tokens at positions ``cache.offset ..``: their keys and values join the cache and each
+    query sees every cached position up to its own (no dropout: inference)."""
+    s, b = qkv.shape[0], qkv.shape[1]
+    hpg, offset = heads_per_group, cache.offset
+    q, k, v = _split_heads(qkv, groups=groups, heads_per_group=hpg, head_dim=head_dim, rotary=rotary)
+    k, v = cache.append(k, v)  # [b, g, offset + s, d]
+    mask = None
+    if offset > 0 and s > 1:  # query i (position offset + i) sees keys 0 .. offset + i
+        mask = torch.ones(s, offset + s, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+    causal = offset == 0 and s > 1
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=hpg > 1)
+    return out.permute(2, 0, 1, 3).reshape(s, b, groups * hpg * head_dim)
+
+
+def _split_heads(
+    qkv: torch.Tensor,
+    *,
+    groups: int,
+    heads_per_group: int,
+    head_dim: int,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused projection ``[s, b, ...]`` -> q ``[b, nq, s, d]``, k and v ``[b, g, s, d]``, rotated."""
+    s, b = qkv.shape[0], qkv.shape[1]
     g, hpg, d = groups, heads_per_group, head_dim
     qkv = qkv.view(s, b, g, hpg + 2, d)
     q = qkv[:, :, :, :hpg].reshape(s, b, g * hpg, d)  # [s, b, nq, d]
@@ -68,5 +119,4 @@ def attend(
         cos, sin = rotary
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=hpg > 1)
-    return out.permute(2, 0, 1, 3).reshape(s, b, g * hpg * d)  # [b, nq, s, d] -> [s, b, nq * d]
+    return q, k, v

@@ -186,5 +186,36 @@ class GPTConfig:
             raise ConfigError(f"incomplete model config: {exc}") from None
 
 
+def model_flags(config: GPTConfig) -> list[str]:
+    """The trainer flags that build ``config`` (fields left at their defaults are not named)."""
+    base = GPTConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        vocab_size=config.vocab_size,
+        seq_length=config.seq_length,
+        kv_channels=config.kv_channels if config.hidden_size % config.num_attention_heads else None,
+        swiglu=config.swiglu,
+    )
+    flags: list[str] = []
+    required = ["num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"]
+    if config.hidden_size % config.num_attention_heads:
+        required.append("kv_channels")  # no default then
+    for f in dataclasses.fields(GPTConfig):
+        value = getattr(config, f.name)
+        default = GPTConfig.default(f.name) if isinstance(value, bool) else getattr(base, f.name)
+        if value == default and f.name not in required:
+            continue
+        if f.name == "num_query_groups":
+            flags += ["--group-query-attention", f"--num-query-groups={value}"]
+        elif f.name == "add_bias_linear":
+            flags.append("--disable-bias-linear")
+        elif isinstance(value, bool):
+            flags.append(f"--{_flag(f.name)}")
+        else:
+            flags.append(f"--{_flag(f.name)}={value}")
+    return flags
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")

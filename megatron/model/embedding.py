@@ -30,8 +30,8 @@ class PositionEmbedding(torch.nn.Module):
         self.weight_grad_store: WeightGradStore | None = None
         self.defer_weight_grad = False
 
-    def forward(self, seq_len: int) -> torch.Tensor:  # -> [s, 1, h]
-        positions = torch.arange(seq_len, device=self.weight.device)
+    def forward(self, seq_len: int, offset: int = 0) -> torch.Tensor:  # -> [s, 1, h] for positions offset..
+        positions = torch.arange(offset, offset + seq_len, device=self.weight.device)
         table = deferrable_embedding(positions, self.weight, self.weight_grad_store, defer=self.defer_weight_grad)
         return table.unsqueeze(1)
 
@@ -48,11 +48,11 @@ class GPTEmbedding(torch.nn.Module):
         )
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens: [b, s] int64
+    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:  # tokens: [b, s] int64 at offset..
         partial = self.word_embeddings(tokens)  # [b, s, h], this rank's vocabulary rows only
         x = reduce_from_tp(partial.transpose(0, 1), self.tp)  # [s, b, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(tokens.shape[1])  # + [s, 1, h]
+            x = x + self.position_embeddings(tokens.shape[1], offset)  # + [s, 1, h]
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)  # [s/tp, b, h]
         return self.dropout(x)

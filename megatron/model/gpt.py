@@ -13,6 +13,9 @@ runtime's job.
 
 Global names: a stage names its layers ``layers.<local index>`` like any module; ``global_name`` maps them to the
 whole model's numbering, which is what initialisation (and checkpoints) key on.
+
+Inference: ``forward(tokens, kv_cache=KVCache(...))`` runs the new tokens at positions ``kv_cache.length ..``
+against the cached keys and values (``megatron.model.kv_cache``; ``megatron.generation`` decodes with it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from megatron.config.parallel import split_layers
 from megatron.model.config import GPTConfig
 from megatron.model.embedding import GPTEmbedding
 from megatron.model.init import initialize_parameters
+from megatron.model.kv_cache import KVCache
 from megatron.model.norms import build_norm
 from megatron.model.rope import RotaryEmbedding
 from megatron.model.transformer_layer import TransformerLayer
@@ -113,10 +117,15 @@ class GPTStage(torch.nn.Module):
         initialize_parameters(self, seed=seed, config=self.config, tp=self.tp, global_name=self.global_name)
 
     # -- forward -------------------------------------------------------------------------------------------------
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
         """``inputs``: token ids ``[b, s]`` on the first stage, else hidden states ``[s, b, h]`` (``[s/tp, b, h]``
         with sequence parallelism).  Returns hidden states, or on the last stage the logits ``[s, b, V/tp]``, or the
-        per-token loss ``[b, s]`` (fp32) when ``labels [b, s]`` are given."""
+        per-token loss ``[b, s]`` (fp32) when ``labels [b, s]`` are given.  ``kv_cache`` (inference, this stage's
+        own): the inputs are the tokens after the cached ones."""
+        if kv_cache is not None:
+            return self._forward_cached(inputs, kv_cache)
         if self.pre_process:
             seq_len = inputs.shape[1]
             x = self.embedding(inputs)  # [s, b, h]
@@ -126,6 +135,23 @@ class GPTStage(torch.nn.Module):
         rotary = self.rotary(seq_len, device=x.device, dtype=x.dtype) if self.rotary is not None else None
         for layer in self.layers:
             x = layer(x, rotary)
+        return self._head(x, labels)
+
+    def _forward_cached(self, inputs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """Inference over the tokens at positions ``kv_cache.length ..`` (no sequence parallelism)."""
+        offset = kv_cache.length
+        x = self.embedding(inputs, offset) if self.pre_process else inputs  # [s, b, h]
+        s = x.shape[0]
+        rotary = None
+        if self.rotary is not None:  # the table for the cache's whole length, sliced to these positions
+            cos, sin = self.rotary(kv_cache.max_length, device=x.device, dtype=x.dtype)
+            rotary = cos[offset : offset + s], sin[offset : offset + s]
+        for layer in self.layers:
+            x = layer(x, rotary, kv_cache.layer(layer.layer_number))
+        kv_cache.advance(s)
+        return self._head(x, None)
+
+    def _head(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         if not self.post_process:
             return x
         x = self.final_layernorm(x)

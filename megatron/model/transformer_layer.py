@@ -6,6 +6,7 @@ import torch
 
 from megatron.model.attention import SelfAttention
 from megatron.model.config import GPTConfig
+from megatron.model.kv_cache import LayerKVCache
 from megatron.model.mlp import MLP
 from megatron.model.norms import build_norm
 from megatron.parallel.tensor_parallel import HasTensorParallel
@@ -24,7 +25,13 @@ class TransformerLayer(torch.nn.Module):
         self.mlp = MLP(config, tp=tp, sequence_parallel=sequence_parallel)
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_cache: LayerKVCache | None = None,
+    ) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism); same shape out
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary))
+        # kv_cache (inference only): the new tokens attend to the cached ones too
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary, kv_cache))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
