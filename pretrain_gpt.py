@@ -21,6 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from megatron.arguments import parse_run_config
     from megatron.config.errors import ConfigError, RunAbortedError
+    from megatron.peer_failure import EXIT_PEER_FAILURE, PeerFailedRunError, debug_tracebacks
     from megatron.requirements import check_torch
 
     rank = int(os.environ.get("RANK", "0"))
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_torch(torch.__version__)
         run = parse_run_config(argv, world_size=world_size)
     except ConfigError as err:
+        _traceback_if_debug(debug_tracebacks())
         if rank == 0:
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -37,7 +39,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in run.ignored_flag_warnings():
             print(line, file=sys.stderr, flush=True)
 
-    from megatron.peer_failure import EXIT_PEER_FAILURE, PeerFailedRunError, debug_tracebacks
     from megatron.training import pretrain
 
     try:

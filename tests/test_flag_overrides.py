@@ -85,3 +85,12 @@ def test_data_path_with_mock_data_exits_2_with_one_line(monkeypatch) -> None:
         assert len(err.getvalue().splitlines()) == lines, err.getvalue()
         if lines:
             assert err.getvalue().startswith("pretrain_gpt.py: error: --mock-data and --data-path"), err.getvalue()
+    # ZB_DEBUG=1 (docs/failures.md) adds the traceback before the line; the exit code stays.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("ZB_DEBUG", "1")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert pretrain_gpt.main(argv) == 2
+    text = err.getvalue()
+    assert text.startswith("Traceback") and "ConfigError" in text, text
+    assert text.splitlines()[-1].startswith("pretrain_gpt.py: error: --mock-data and --data-path"), text
