@@ -145,9 +145,10 @@ def _train_rank(rank: int, world_size: int, argv: list[str], sig: str, stamp: st
         def faulty_step(tr):
             if tr.iteration == AT_ITERATION:
                 Path(stamp).write_text(repr(time.time()))
-                if sig == "STOP":  # someone must end the stopped process: a sleeper kills it after the test
-                    subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT_S + 12:g}; kill -9 {os.getpid()}"])
+                if sig == "STOP":  # a sleeper wakes it once the survivors are done (SIGCONT: harmless to a reused pid)
+                    subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT_S + 12:g}; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
+                raise RuntimeError(f"rank {rank} continued after SIG{sig} (the survivors have reported by now)")
             return real_step(tr)
 
         training.train_step = faulty_step  # fault injection in this test process only
