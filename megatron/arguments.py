@@ -27,6 +27,7 @@ from megatron.config.logging_config import LoggingConfig
 from megatron.config.lr_schedule import LRScheduleConfig
 from megatron.config.model_sizes import load_model_config
 from megatron.config.optimizer import OptimizerConfig
+from megatron.config.overrides import override_warnings
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
@@ -55,6 +56,7 @@ class RunConfig:
     num_microbatches: int
     global_batch_size: int
     ignored_flags: tuple[str, ...] = ()
+    overridden_flags: tuple[str, ...] = ()  # warning lines: flags another flag overrides (megatron.config.overrides)
     pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)  # the pipeline schedule (used when pp > 1)
     pipeline_layout: PipelineLayout | None = None  # pp > 1: the plan and each virtual stage's layers
     kernels: KernelSelection = field(default_factory=KernelSelection)  # torch or Triton, per fused op
@@ -68,7 +70,8 @@ class RunConfig:
         )
 
     def ignored_flag_warnings(self) -> list[str]:
-        return [f"warning: {f} is ignored here ({KNOWN_IGNORED_FLAGS[f][1]})" for f in self.ignored_flags]
+        ignored = [f"warning: {f} is ignored here ({KNOWN_IGNORED_FLAGS[f][1]})" for f in self.ignored_flags]
+        return ignored + list(self.overridden_flags)
 
 
 def _coerce_model_value(table: FlagTable, dest: str, value: Any, source: str) -> Any:
@@ -230,6 +233,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     require(v["lr"] is not None, "--lr is required (the peak learning rate)")
     require(v["mock_data"] or bool(v["data_path"]), NO_DATA_MESSAGE)
     parallel = _parallel_config(v)
+    overridden = override_warnings(v, tp_size=parallel.tp_size)  # --data-path with --mock-data: an error
     dp = parallel.data_parallel_size(world_size)
     model = model_config_from_flags(v, parallel.tp_size)
     if parallel.sequence_parallel:
@@ -267,6 +271,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         num_microbatches=num_microbatches,
         global_batch_size=training.resolved_global_batch_size(dp),
         ignored_flags=ignored,
+        overridden_flags=overridden,
         pipeline=pipeline,
         pipeline_layout=layout,
         kernels=kernels,

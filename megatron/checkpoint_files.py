@@ -13,7 +13,8 @@ and ``latest_checkpointed_iteration.txt`` next to the ``iter_*`` directories nam
 
 Atomicity: every rank writes into ``iter_0000010.tmp``; rank 0 writes the manifest, renames the directory to its
 final name and only then replaces the tracker (write a temporary file, ``os.replace``). A crash at any point leaves
-the tracker naming the previous, complete checkpoint; a stale ``.tmp`` directory is removed by the next save.
+the tracker naming the previous, complete checkpoint.  Stale ``iter_*.tmp`` directories (crashed saves, of any
+iteration) are removed by the next successful save, once its tracker is in place (``remove_stale_tmp``).
 
 Safety: files are read with ``torch.load(weights_only=True)`` (tensors and plain containers only; a pickled object
 that would run code is refused) after their size and sha256 match the manifest, which is JSON.
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ import torch
 from megatron.config.errors import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+_TMP_NAME = re.compile(r"iter_\d{7,}\.tmp")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
@@ -187,11 +190,21 @@ def commit(root: str | Path, iteration: int, entries: dict[str, dict[str, Any]],
     os.replace(tracker_tmp, root / TRACKER)
     FAULTS.written += 1
     _fsync_dir(root)
+    remove_stale_tmp(root)
     return final
 
 
 def remove_tmp(root: str | Path, iteration: int) -> None:
     shutil.rmtree(tmp_dir(root, iteration), ignore_errors=True)
+
+
+def remove_stale_tmp(root: str | Path) -> list[Path]:
+    """(Rank 0, after a commit) remove every ``iter_XXXXXXX.tmp`` directory under ``root``: each is a save that
+    crashed before its commit, whatever its iteration (the one just committed was renamed away).  Returns them."""
+    stale = sorted(p for p in Path(root).glob("iter_*.tmp") if _TMP_NAME.fullmatch(p.name) and p.is_dir())
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return stale
 
 
 def check_writable(root: str | Path) -> None:

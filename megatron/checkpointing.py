@@ -241,7 +241,7 @@ def load_checkpoint(tr: Trainer, *, log=None) -> bool:
     ctx, cfg = tr.ctx, tr.run.checkpoint
     root = Path(cfg.load)
     error: str | None = None
-    loaded = False
+    loaded: str | None = None
     try:
         loaded = _load(tr, root, log)
     except ConfigError as err:
@@ -249,18 +249,23 @@ def load_checkpoint(tr: Trainer, *, log=None) -> bool:
     error = _agree(ctx, error)
     if error is not None:
         raise ConfigError(error)
-    if loaded:
-        tr.optimizer.publish()  # model params := main params (all-gathers for the distributed optimizer)
-    return loaded
+    if loaded is None:
+        return False
+    tr.optimizer.publish()  # model params := main params (all-gathers for the distributed optimizer)
+    if log is not None:  # only now: every rank has read and accepted its part
+        log(loaded)
+    return True
 
 
-def _load(tr: Trainer, root: Path, log) -> bool:
+def _load(tr: Trainer, root: Path, log) -> str | None:
+    """This rank's part of the load; returns the "loaded checkpoint ..." line (``None``: nothing to load), which
+    the caller logs once every rank has agreed that the load succeeded."""
     ctx, cfg = tr.ctx, tr.run.checkpoint
     iteration = cf.read_tracker(root)
     if iteration is None:
         if log is not None:
             log(f"no checkpoint in --load {root} yet; starting from scratch")
-        return False
+        return None
     directory = cf.iteration_dir(root, iteration)
     manifest = cf.read_manifest(directory)
     common = cf.verified_load(directory, cf.COMMON, manifest)
@@ -321,7 +326,5 @@ def _load(tr: Trainer, root: Path, log) -> bool:
         tr.nan_iterations = int(common["nan_iterations"])
         if not load_optim:
             tr.scheduler.num_steps = tr.iteration
-    if log is not None:
-        what = "model only (--finetune)" if finetune else f"iteration {iteration}"
-        log(f"loaded checkpoint {directory} ({what})")
-    return True
+    what = "model only (--finetune)" if finetune else f"iteration {iteration}"
+    return f"loaded checkpoint {directory} ({what})"

@@ -35,6 +35,7 @@ from megatron.config.errors import ConfigError
 from megatron.evaluation import evaluate
 from megatron.garbage_collection import ManualGC
 from megatron.parallel.context import ParallelContext
+from megatron.peer_failure import PeerFailedRunError, peer_failure_line, stage_labels
 from megatron.pipeline.post_validated_step import SettledStep
 from megatron.pipeline.trainer_hooks import (
     attach_replanner,
@@ -87,6 +88,12 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
         keep_freed_host_memory()
     try:
         return _pretrain(run, ctx, stream)
+    except comm.PeerFailedError as err:  # a dead or stopped peer: this rank's one line, with each rank's stage
+        labels = stage_labels(ctx.layout, **context_layout(run))
+        line = peer_failure_line(
+            err, labels=labels, first_rank=ctx.rank == 0, timeout_s=run.parallel.distributed_timeout_s
+        )
+        raise PeerFailedRunError(line) from err
     finally:
         ctx.shutdown()
 

@@ -98,9 +98,11 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.delenv("ZB_CKPT_FAIL_AFTER_FILES")
     assert cf.read_tracker(ckpt) == 2
     assert not cf.iteration_dir(ckpt, 4).exists() and cf.tmp_dir(ckpt, 4).exists()  # as a killed process leaves it
-    resumed = _in_process([*BASE, "--load", ckpt, "--save", ckpt, "--save-interval", "2"])
+    # The resumed run saves iterations 3 and 6, never 4 again: its first save removes the crashed save's directory.
+    resumed = _in_process([*BASE, "--load", ckpt, "--save", ckpt, "--save-interval", "3"])
     assert resumed == reference[2:], "resuming from the surviving checkpoint must continue the run exactly"
-    assert cf.read_tracker(ckpt) == N and not cf.tmp_dir(ckpt, 4).exists()  # the stale temporary was cleared
+    assert cf.read_tracker(ckpt) == N and cf.iteration_dir(ckpt, 3).is_dir()
+    assert not list(Path(ckpt).glob("*.tmp")), "a stale temporary directory outlived a successful save"
 
 
 def test_enospc_stops_run_with_clear_message_and_keeps_previous(tmp_path, monkeypatch):
@@ -169,6 +171,37 @@ def test_pickled_code_is_refused_and_never_runs(saved, tmp_path):
     with pytest.raises(ConfigError, match="refusing checkpoint file .*not plain tensors"):
         _in_process([*BASE, "--load", str(ckpt)])
     assert not marker.exists(), "loading must never execute code from a checkpoint"
+
+
+def _load_rank(rank: int, world_size: int, argv: list[str]) -> tuple[str, str]:
+    """``pretrain(argv)`` on this rank: (the error it raised, or "", its log)."""
+    torch.set_num_threads(1)
+    log = io.StringIO()
+    try:
+        pretrain(parse_run_config(argv, world_size=world_size), stream=log)
+    except ConfigError as err:
+        return str(err), log.getvalue()
+    return "", log.getvalue()
+
+
+def test_load_refused_by_another_rank_logs_no_loaded_line(tmp_path):
+    # dp = 2: rank 1's RNG file is damaged, rank 0's part is fine; rank 0 (the logging rank) must not say "loaded".
+    ckpt = tmp_path / "ckpt"
+    argv = [*BASE, "--train-iters", "1", "--save", str(ckpt)]
+    run_multiprocess(_load_rank, 2, args=(argv,), timeout_s=120)
+    target = cf.iteration_dir(ckpt, 1) / cf.rng_file(1)
+    intact = target.read_bytes()
+    target.write_bytes(intact[:-8])
+    load = [*BASE, "--train-iters", "2", "--load", str(ckpt)]
+    results = run_multiprocess(_load_rank, 2, args=(load,), timeout_s=120)
+    for error, _ in results:  # every rank refuses, with the damaged file named
+        assert f"checkpoint file {target} is damaged" in error, error
+    assert "loaded checkpoint" not in results[0][1], results[0][1]
+
+
+def test_accepted_load_logs_loaded_line(saved, tmp_path):
+    error, log = _load_rank(0, 1, [*BASE, "--train-iters", "3", "--load", str(_copy(saved, tmp_path))])
+    assert error == "" and f"loaded checkpoint {cf.iteration_dir(tmp_path / 'ckpt', 2)} (iteration 2)" in log, log
 
 
 # ---------------------------------------------------------------------------------------------------- bad input

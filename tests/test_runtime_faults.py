@@ -4,7 +4,8 @@
   ``CommOrderError`` naming the unmatched transfer, and catches two ranks posting a pair's transfers in different
   orders.  The validator rejects both plans statically as well.
 - A rank killed with SIGKILL, or frozen with SIGSTOP, makes every other rank fail on its own (not killed by the test
-  harness) with a ``PipelineCommError`` naming the peer rank and the action that waited.
+  harness) with a ``PipelinePeerError`` (a ``PipelineCommError`` and a ``comm.PeerFailedError``) naming the peer
+  rank and the action that waited.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def test_checking_mode_catches_plan_that_needs_buffering() -> None:
     err = _fail(Case("zb-h1", 2, 3, mutate="needs_buffering", check=True, timeout_s=P2P_TIMEOUT_S), 2)
     assert set(err.failures) == {0, 1}
     # Both ranks block; whichever times out first reports the unmatched send (the other may instead see it leave).
-    assert all("PipelineCommError" in t or "CommOrderError" in t for t in err.failures.values()), err
+    assert all(
+        "PipelineCommError" in t or "PipelinePeerError" in t or "CommOrderError" in t for t in err.failures.values()
+    ), err
     caught = [r for r, t in err.failures.items() if "CommOrderError" in t and "relies on buffering" in t]
     assert caught, err
     assert all({0: "0SEND_F1@1", 1: "1SEND_B0@0"}[r] in err.failures[r] for r in caught)
@@ -68,8 +71,9 @@ def test_dead_or_stopped_rank_makes_every_other_rank_fail_naming_it(sig: str) ->
     assert set(err.failures) == {0, 1, 2}
     for rank in (0, 2):
         text = err.failures[rank]
-        lines = [ln for ln in text.splitlines() if ln.startswith("zb_pipeline.runtime.p2p.PipelineCommError:")]
-        assert lines, f"rank {rank} did not fail with a PipelineCommError (killed by the harness?):\n{text}"
+        # PipelinePeerError: a PipelineCommError that is also the communication layer's PeerFailedError.
+        lines = [ln for ln in text.splitlines() if ln.startswith("zb_pipeline.runtime.p2p.PipelinePeerError:")]
+        assert lines, f"rank {rank} did not fail with a PipelinePeerError (killed by the harness?):\n{text}"
         message = lines[-1]
         assert re.search(r"(from|to) rank\(?s?\)? \[?1\b", message), message  # names the peer ...
         assert re.search(r"\b\d+(RECV|SEND)_[FB]\d+@1\b", message), message  # ... and the transfer it waited on

@@ -124,8 +124,8 @@ class ParallelContext:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         owns, backend, device = _join_default_group(backend, rank, world_size, local_rank, timeout)
 
-        def make(groups: tuple[tuple[int, ...], ...]) -> ProcessGroup | None:
-            return _new_groups(groups, rank, timeout)
+        def make(groups: tuple[tuple[int, ...], ...], name: str) -> ProcessGroup | None:
+            return _new_groups(groups, rank, timeout, name)
 
         c = layout.coords(rank)
         ctx = cls(
@@ -137,18 +137,18 @@ class ParallelContext:
             tp_rank=c.tp_rank,
             pp_rank=c.pp_rank,
             dp_rank=c.dp_rank,
-            tp_group=make(layout.tp_groups),
-            pp_group=make(layout.pp_groups),
-            dp_group=make(layout.dp_groups),
-            mp_group=make(layout.mp_groups),
+            tp_group=make(layout.tp_groups, "tp"),
+            pp_group=make(layout.pp_groups, "pp"),
+            dp_group=make(layout.dp_groups, "dp"),
+            mp_group=make(layout.mp_groups, "model-parallel"),
             backend=backend,
             device=device,
             timeout=timeout,
             layout=layout,
             local_rank=local_rank,
-            embedding_group=make(layout.embedding_groups(chunks=chunks, placement=placement)),
+            embedding_group=make(layout.embedding_groups(chunks=chunks, placement=placement), "embedding"),
             embedding_ranks=layout.embedding_group_of(rank, chunks=chunks, placement=placement) or (),
-            stage_group=make(layout.stage_groups),
+            stage_group=make(layout.stage_groups, "stage"),
             owns_default_group=owns,
         )
         return ctx
@@ -261,8 +261,10 @@ def _check_gpus_for(local_rank: int) -> None:
         )
 
 
-def _new_groups(groups: tuple[tuple[int, ...], ...], rank: int, timeout: timedelta) -> ProcessGroup | None:
+def _new_groups(groups: tuple[tuple[int, ...], ...], rank: int, timeout: timedelta, name: str) -> ProcessGroup | None:
     """Create every group of size > 1 in ``groups``; returns the one holding ``rank`` (``None`` if none does).
+
+    ``name`` (``tp``, ``dp``, ...) is what a ``comm.PeerFailedError`` calls the group.
 
     ``new_group`` is collective over the whole world: every rank creates every group, in the same order.
     """
@@ -270,7 +272,7 @@ def _new_groups(groups: tuple[tuple[int, ...], ...], rank: int, timeout: timedel
     for ranks in groups:
         if len(ranks) == 1:
             continue
-        g = comm.new_group(ranks, timeout=timeout)
+        g = comm.new_group(ranks, timeout=timeout, name=name)
         if rank in ranks:
             mine = g
     return mine

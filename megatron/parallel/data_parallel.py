@@ -193,7 +193,7 @@ class DataParallelReducer:
         step's gradients stay until it is validated, which zeroes them (``MainParamOptimizer.zero_grad``)."""
         for b in self.buckets:
             if b.work is not None:
-                comm.wait(b.work, group=self.dp_group)
+                comm.wait(b.work, group=self.dp_group, op=f"gradient {self.reduce_op}")
             b.work = None
             b.launched = False
         self._ready.clear()
@@ -246,7 +246,7 @@ class DataParallelReducer:
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
-                comm.wait(b.work, group=self.dp_group)
+                comm.wait(b.work, group=self.dp_group, op=f"gradient {self.reduce_op}")
                 b.work = None
         self._in_microbatch = False
         self._is_last = False

@@ -12,6 +12,8 @@ One concept per file:
 - ``collectives``: all-reduce/gather/reduce-scatter, host numbers reduced on the device, object collectives,
   barrier -- and which calls refuse a tensor on the wrong device (all of them that take one) versus stage host
   numbers on the right one (``all_reduce_values``);
+- ``failures``: ``PeerFailedError``, the one error of every call when a peer died or stopped (the call, the group, the
+  ranks waited for, timeout or closed connection);
 - ``point_to_point``: sends, receives, their batches, and ``wait`` (a host timeout on gloo; on NCCL no per-call
   timeout, so a wait only makes the compute stream wait and the process group's watchdog times a transfer out).
 
@@ -30,6 +32,7 @@ from zb_pipeline.comm.collectives import (
     broadcast_object_list,
     reduce_scatter_tensor,
 )
+from zb_pipeline.comm.failures import PeerFailedError, group_name, is_peer_error, peer_failure
 from zb_pipeline.comm.groups import (
     backend_name,
     destroy,
@@ -48,6 +51,7 @@ __all__ = [
     "CommDeviceError",
     "DistError",
     "GroupPlacement",
+    "PeerFailedError",
     "ProcessGroup",
     "all_gather",
     "all_gather_into_tensor",
@@ -61,12 +65,15 @@ __all__ = [
     "check_devices",
     "destroy",
     "device_of",
+    "group_name",
     "group_ranks",
     "init_process_group",
     "irecv",
     "is_initialized",
+    "is_peer_error",
     "isend",
     "new_group",
+    "peer_failure",
     "placement",
     "pretend",
     "rank",

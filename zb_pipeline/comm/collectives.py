@@ -11,6 +11,9 @@ Placement, decided per call:
   device itself (the current CUDA device on NCCL);
 - ``barrier`` takes no tensor (NCCL gets this rank's device id, so torch need not guess it).
 
+A peer that died or stopped during any of them raises ``PeerFailedError`` (``zb_pipeline.comm.failures``) naming the
+call, the group and the ranks waited for (every other member of the group).
+
 ``group=None`` is the default group (the whole world), as in ``torch.distributed``; callers that treat ``None`` as
 "no communication needed" (``ParallelContext``'s size-1 groups) check before calling.
 """
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from zb_pipeline.comm.backend import current
+from zb_pipeline.comm.failures import calling
 from zb_pipeline.comm.placement import check_devices, placement
 
 __all__ = [
@@ -49,13 +53,15 @@ def _reduce_op(op: str) -> Any:
 def all_reduce(t: torch.Tensor, *, op: str = "sum", group: Any = None, async_op: bool = False) -> Any:
     """Reduce ``t`` in place over ``group``; returns the work when ``async_op`` (wait for it with ``comm.wait``)."""
     check_devices("all_reduce", (t,), group)
-    return current().all_reduce(t, op=_reduce_op(op), group=group, async_op=async_op)
+    with calling("all_reduce", group):
+        return current().all_reduce(t, op=_reduce_op(op), group=group, async_op=async_op)
 
 
 def all_gather(parts: Sequence[torch.Tensor], t: torch.Tensor, *, group: Any = None) -> None:
     """``parts[i]`` := group rank ``i``'s ``t``."""
     check_devices("all_gather", (t, *parts), group)
-    current().all_gather(list(parts), t, group=group)
+    with calling("all_gather", group):
+        current().all_gather(list(parts), t, group=group)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, *, group: Any = None, async_op: bool = False) -> Any:
@@ -63,7 +69,8 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, *, group: Any = N
     check_devices("all_gather_into_tensor", (out, t), group)
     b = current()
     gather = getattr(b, "all_gather_single", None) or b.all_gather_into_tensor
-    return gather(out, t, group=group, async_op=async_op)
+    with calling("all_gather_into_tensor", group):
+        return gather(out, t, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, *, group: Any = None, async_op: bool = False) -> Any:
@@ -71,7 +78,8 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, *, group: Any = No
     check_devices("reduce_scatter_tensor", (out, t), group)
     b = current()
     scatter = getattr(b, "reduce_scatter_single", None) or b.reduce_scatter_tensor
-    return scatter(out, t, group=group, async_op=async_op)
+    with calling("reduce_scatter_tensor", group):
+        return scatter(out, t, group=group, async_op=async_op)
 
 
 def all_reduce_values(
@@ -86,24 +94,28 @@ def all_reduce_values(
     for i, v in enumerate(values):
         if v:
             t[i] = v
-    current().all_reduce(t, op=_reduce_op(op), group=group)
+    with calling("all_reduce", group):
+        current().all_reduce(t, op=_reduce_op(op), group=group)
     return t.tolist()
 
 
 def all_gather_object(out: list[Any], obj: Any, *, group: Any = None) -> None:
     """``out[i]`` := group rank ``i``'s picklable ``obj`` (``out`` has the group's size)."""
-    current().all_gather_object(out, obj, group=group)
+    with calling("all_gather_object", group):
+        current().all_gather_object(out, obj, group=group)
 
 
 def broadcast_object_list(objs: list[Any], *, src: int, group: Any = None) -> None:
     """``objs`` := global rank ``src``'s ``objs`` (picklable objects, same length on every rank)."""
-    current().broadcast_object_list(objs, src=src, group=group)
+    with calling("broadcast_object_list", group):
+        current().broadcast_object_list(objs, src=src, group=group)
 
 
 def barrier(*, group: Any = None) -> None:
     """Every rank of ``group`` reaches this point before any leaves it."""
     where = placement(group)
-    if where.is_nccl and where.device.index is not None:
-        current().barrier(group=group, device_ids=[where.device.index])
-    else:
-        current().barrier(group=group)
+    with calling("barrier", group):
+        if where.is_nccl and where.device.index is not None:
+            current().barrier(group=group, device_ids=[where.device.index])
+        else:
+            current().barrier(group=group)

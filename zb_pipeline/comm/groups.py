@@ -47,9 +47,13 @@ def init_process_group(backend: str, *, rank: int, world_size: int, timeout: tim
     current().init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def new_group(ranks: Sequence[int], *, timeout: timedelta) -> Any:
-    """A subgroup of ``ranks`` with its own ``timeout`` (collective over the whole world: every rank calls it)."""
-    return current().new_group(list(ranks), timeout=timeout)
+def new_group(ranks: Sequence[int], *, timeout: timedelta, name: str | None = None) -> Any:
+    """A subgroup of ``ranks`` with its own ``timeout`` (collective over the whole world: every rank calls it).
+
+    ``name`` (e.g. ``"dp"``) becomes the group's ``group_desc``, which ``PeerFailedError`` messages name."""
+    if name is None:
+        return current().new_group(list(ranks), timeout=timeout)
+    return current().new_group(list(ranks), timeout=timeout, group_desc=name)
 
 
 def destroy() -> None:

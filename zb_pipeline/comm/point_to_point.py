@@ -12,6 +12,9 @@ it (a received tensor would land in the copy).
   until the transfer is done; without one it only makes the current (compute) stream wait for the communication
   stream, so the CPU keeps issuing work.  A transfer that never completes is aborted by the NCCL watchdog after the
   process group's timeout (``zb_pipeline.comm.groups``).
+
+A peer that died or stopped raises ``PeerFailedError`` (``zb_pipeline.comm.failures``) naming the call, the group and
+the peer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 
 from zb_pipeline.comm.backend import current
+from zb_pipeline.comm.failures import calling
 from zb_pipeline.comm.placement import check_devices, placement
 
 __all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
@@ -31,25 +35,29 @@ __all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
 def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
     """Start sending ``t`` to global rank ``peer``; returns the work."""
     check_devices("isend", (t,), group)
-    return current().isend(t, peer, group=group, tag=tag)
+    with calling("isend", group, (peer,)):
+        return current().isend(t, peer, group=group, tag=tag)
 
 
 def irecv(buf: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
     """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
     check_devices("irecv", (buf,), group)
-    return current().irecv(buf, peer, group=group, tag=tag)
+    with calling("irecv", group, (peer,)):
+        return current().irecv(buf, peer, group=group, tag=tag)
 
 
 def send(t: torch.Tensor, peer: int, *, group: Any = None) -> None:
     """Send ``t`` to global rank ``peer`` and return when it is sent."""
     check_devices("send", (t,), group)
-    current().send(t, peer, group=group)
+    with calling("send", group, (peer,)):
+        current().send(t, peer, group=group)
 
 
 def recv(buf: torch.Tensor, peer: int, *, group: Any = None) -> None:
     """Receive into ``buf`` from global rank ``peer`` and return when it has arrived."""
     check_devices("recv", (buf,), group)
-    current().recv(buf, peer, group=group)
+    with calling("recv", group, (peer,)):
+        current().recv(buf, peer, group=group)
 
 
 def batch_isend_irecv(ops: Sequence[tuple[bool, torch.Tensor, int]], *, group: Any = None, tag: int = 0) -> list[Any]:
@@ -58,14 +66,29 @@ def batch_isend_irecv(ops: Sequence[tuple[bool, torch.Tensor, int]], *, group: A
         return []
     check_devices("batch_isend_irecv", (t for _, t, _ in ops), group)
     b = current()
-    return list(
-        b.batch_isend_irecv([b.P2POp(b.isend if s else b.irecv, t, peer, group=group, tag=tag) for s, t, peer in ops])
-    )
+    with calling("batch_isend_irecv", group, sorted({peer for _, _, peer in ops})):
+        return list(
+            b.batch_isend_irecv(
+                [b.P2POp(b.isend if s else b.irecv, t, peer, group=group, tag=tag) for s, t, peer in ops]
+            )
+        )
 
 
-def wait(work: Any, *, group: Any = None, timeout: timedelta | None = None) -> None:
-    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only)."""
-    if timeout is None or placement(group).is_nccl:
-        work.wait()
-    else:
-        work.wait(timeout)
+def wait(
+    work: Any,
+    *,
+    group: Any = None,
+    timeout: timedelta | None = None,
+    op: str = "wait",
+    peers: Sequence[int] | None = None,
+) -> None:
+    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only).
+
+    ``op`` names the call whose work this is and ``peers`` the global ranks it waits for (default: the group's
+    other members), for the ``PeerFailedError`` raised if a peer died or stopped.
+    """
+    with calling(op, group, peers):
+        if timeout is None or placement(group).is_nccl:
+            work.wait()
+        else:
+            work.wait(timeout)

@@ -14,7 +14,9 @@ activation one way, its gradient the other), so no shape handshake is ever neede
 Every transfer and wait goes through ``zb_pipeline.comm``, which refuses a tensor that is not on the group's device.
 On gloo every wait has a host timeout; on NCCL a wait only makes the compute stream wait (no per-call timeout) and
 the process group's watchdog aborts a transfer that never completes.  Every failure (timeout, a dead peer's closed
-socket) raises ``PipelineCommError`` naming this rank, the peer rank and the action that waited.
+socket) raises ``PipelinePeerError`` naming this rank, the peer rank and the action that waited: a
+``PipelineCommError`` that is also the communication layer's ``comm.PeerFailedError`` (its ``op`` names the transfer,
+its ``peers`` the peer's global rank), so a trainer reports it like any other failed peer.
 
 Checking mode (``check=True``; for gloo tests)
 ---------------------------------------------
@@ -51,6 +53,10 @@ _DATA_TAG, _ACK_TAG = 0, 1
 
 class PipelineCommError(RuntimeError):
     """A pipeline transfer failed or timed out; the message names the rank, the peer and the waiting action."""
+
+
+class PipelinePeerError(PipelineCommError, comm.PeerFailedError):
+    """A pipeline transfer failed because its peer died or stopped (``comm.PeerFailedError`` with the transfer)."""
 
 
 class CommOrderError(PipelineCommError):
@@ -184,12 +190,13 @@ class PipelineP2P:
             self._post(batch, payload)
         except PipelineCommError:
             raise
-        except RuntimeError as err:
-            if not isinstance(err, comm.DistError) and "onnection" not in str(err):
-                raise
+        except comm.PeerFailedError as err:
             peers = sorted({a.peer for a in batch.actions})
-            raise PipelineCommError(
-                f"rank {self.pp_rank}: posting {batch} to rank(s) {peers} failed: {_first_line(err)}"
+            raise self._peer_error(
+                err,
+                f"posting pipeline transfers {batch}",
+                peers,
+                f"rank {self.pp_rank}: posting {batch} to rank(s) {peers} failed: {err.cause}",
             ) from err
 
     @property
@@ -317,7 +324,7 @@ class PipelineP2P:
         """Checking mode: block until every send of ``batch`` is matched and every receive has arrived."""
         deadline = time.monotonic() + self.timeout_s
         for work, ack, a in acks_in:
-            if not self._wait_until(work, deadline):
+            if self._wait_until(work, deadline, a) is not None:
                 raise CommOrderError(
                     f"rank {self.pp_rank}: batch {batch} could not complete within {self.timeout_s:g} s: rank "
                     f"{a.peer} never posted the receive matching {a} -- the plan relies on buffering and deadlocks "
@@ -335,7 +342,7 @@ class PipelineP2P:
         for key in recv_keys:
             work, buf, a = self._recvs[key]
             t0 = time.perf_counter()
-            if not self._wait_until(work, deadline):
+            if self._wait_until(work, deadline, a) is not None:
                 raise CommOrderError(
                     f"rank {self.pp_rank}: batch {batch} could not complete within {self.timeout_s:g} s: {a} was "
                     f"never sent by rank {a.peer} -- the plan deadlocks under the strict model (or that rank is stuck)"
@@ -344,16 +351,31 @@ class PipelineP2P:
                 tracer.waited(a, batch, t0, time.perf_counter())
             self._recvs[key] = (None, buf, a)  # done: gloo counts waits, so a work must not be waited twice
 
-    def _wait_until(self, work, deadline: float) -> bool:
-        """Wait for ``work`` up to ``deadline``; False on timeout, ``PipelineCommError`` if the transfer failed."""
+    def _wait_until(self, work, deadline: float, a: Action) -> comm.PeerFailedError | None:
+        """Wait for transfer ``a``'s ``work`` up to ``deadline``: ``None`` when done, the timeout's error (to report or
+        turn into a plan error) when not; ``PipelinePeerError`` if the transfer failed (a dead peer)."""
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            comm.wait(work, group=self.group, timeout=timedelta(seconds=left))
-        except RuntimeError as err:
-            if "imed out" in str(err) or "imeout" in str(err):
-                return False
-            raise PipelineCommError(f"rank {self.pp_rank}: transfer failed: {_first_line(err)}") from err
-        return True
+            comm.wait(work, group=self.group, timeout=timedelta(seconds=left), peers=(self.pp_ranks[a.peer],))
+        except comm.PeerFailedError as err:
+            if err.timed_out:
+                return err
+            raise self._peer_error(
+                err, f"pipeline transfer {a}", [a.peer], f"rank {self.pp_rank}: transfer {a} failed: {err.cause}"
+            ) from err
+        return None
+
+    def _peer_error(self, err: comm.PeerFailedError, op: str, peers: Sequence[int], message: str) -> PipelinePeerError:
+        """``err`` (from the communication layer) as a ``PipelinePeerError``: ``op`` names the transfer, ``peers``
+        the pipeline ranks waited for, ``message`` is the developer's text (``str()``)."""
+        return comm.peer_failure(
+            err,
+            op=op,
+            group=self.group,
+            peers=[self.pp_ranks[p] for p in peers],
+            message=message,
+            kind=PipelinePeerError,
+        )
 
     # -- consuming --------------------------------------------------------------------------------------------
     def take(self, kind: Kind, stage: int, microbatch: int, waiter: Action) -> torch.Tensor:
@@ -371,10 +393,13 @@ class PipelineP2P:
         t0 = time.perf_counter() if tracer is not None else 0.0
         try:
             comm.wait(work, group=self.group, timeout=self._timeout)
-        except RuntimeError as err:
-            raise PipelineCommError(
+        except comm.PeerFailedError as err:
+            raise self._peer_error(
+                err,
+                f"pipeline receive {a} (for {waiter})",
+                [a.peer],
                 f"rank {self.pp_rank}: {waiter} waited for {a} from rank {a.peer} (global rank "
-                f"{self.pp_ranks[a.peer]}) and failed after at most {self.timeout_s:g} s: {_first_line(err)}"
+                f"{self.pp_ranks[a.peer]}) and failed after at most {self.timeout_s:g} s: {err.cause}",
             ) from err
         if tracer is not None:
             tracer.waited(a, waiter, t0, time.perf_counter())
@@ -392,18 +417,24 @@ class PipelineP2P:
         for work, _, a in self._sends:
             try:
                 comm.wait(work, group=self.group, timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            except RuntimeError as err:
-                raise PipelineCommError(
+            except comm.PeerFailedError as err:
+                raise self._peer_error(
+                    err,
+                    f"pipeline send {a} (end of iteration)",
+                    [a.peer],
                     f"rank {self.pp_rank}: end of iteration waited for {a} to rank {a.peer} (global rank "
-                    f"{self.pp_ranks[a.peer]}) and failed: {_first_line(err)}"
+                    f"{self.pp_ranks[a.peer]}) and failed: {err.cause}",
                 ) from err
         for work, _, a in self._acks:
             try:
                 comm.wait(work, group=self.group, timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            except RuntimeError as err:
-                raise PipelineCommError(
+            except comm.PeerFailedError as err:
+                raise self._peer_error(
+                    err,
+                    f"pipeline acknowledgement of {a} (end of iteration)",
+                    [a.peer],
                     f"rank {self.pp_rank}: end of iteration: the acknowledgement of {a} to rank {a.peer} failed: "
-                    f"{_first_line(err)}"
+                    f"{err.cause}",
                 ) from err
         self._sends, self._acks = [], []
         self._preposted.clear()
@@ -424,11 +455,15 @@ class PipelineP2P:
         pending = [(w, a) for w, _, a in self._sends] + [(w, a) for w, _, a in self._acks]
         pending += [(w, a) for w, _, a in self._recvs.values() if w is not None]
         for work, a in pending:
-            if not self._wait_until(work, deadline):
-                raise PipelineCommError(
+            timeout = self._wait_until(work, deadline, a)
+            if timeout is not None:
+                raise self._peer_error(
+                    timeout,
+                    f"pipeline transfer {a} (draining before a replay)",
+                    [a.peer],
                     f"rank {self.pp_rank}: draining the transfers before a replay, {a} with rank {a.peer} did not "
-                    f"complete within {self.timeout_s:g} s"
-                )
+                    f"complete within {self.timeout_s:g} s",
+                ) from timeout
         self._sends, self._acks = [], []
         self._recvs.clear()
         self._preposted.clear()
@@ -448,8 +483,3 @@ class PipelineP2P:
 
 def _no_payload(a: Action) -> torch.Tensor:
     raise AssertionError(f"{a}: a batch of receives has nothing to send")
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
