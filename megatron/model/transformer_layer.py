@@ -1,4 +1,7 @@
-"""One pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with dropout on each branch."""
+"""One pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with dropout on each branch.
+
+With ``--fp32-residual-connection`` ``x`` is fp32 while the parameters are bf16/fp16: the norms return the
+parameters' dtype and each branch's output is added to the fp32 stream (type promotion keeps it fp32)."""
 
 from __future__ import annotations
 
@@ -17,14 +20,21 @@ class TransformerLayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.layer_number = layer_number  # global, 0-based
-        norm = dict(eps=config.norm_epsilon, sequence_parallel=sequence_parallel)
+        norm = dict(
+            eps=config.norm_epsilon, sequence_parallel=sequence_parallel, zero_centered=config.apply_layernorm_1p
+        )
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, tp=tp, sequence_parallel=sequence_parallel)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, **norm)
         self.mlp = MLP(config, tp=tp, sequence_parallel=sequence_parallel)
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism); same shape out
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary))
+        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary, attention_mask))
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
