@@ -234,3 +234,28 @@ def test_checkpoint_of_an_older_model_config_still_loads() -> None:
     tr.run.model = new
     with pytest.raises(ConfigError, match="qk_layernorm"):
         _check_compatible(tr, {"layout": {"tp": 1, "pp": 1}, "model_args": old}, "ckpt")
+
+
+def test_architecture_flags_shape_the_model() -> None:
+    """Each architecture flag, set away from its default, is visible in the built model."""
+    argv = [*BASE, "--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--seq-length", "12"]
+    argv += ["--group-query-attention", "--num-query-groups", "2", "--kv-channels", "10", "--ffn-hidden-size", "40"]
+    argv += ["--max-position-embeddings", "20", "--vocab-size", "50", "--make-vocab-size-divisible-by", "16"]
+    argv += ["--untie-embeddings-and-output-weights", "--normalization", "RMSNorm", "--norm-epsilon", "1e-3"]
+    argv += ["--swiglu", "--disable-bias-linear", "--attention-dropout", "0.2", "--hidden-dropout", "0.3"]
+    argv += ["--init-method-std", "0.05"]
+    run = parse_run_config(argv)
+    model = build_gpt_model(run.model, seed=1)
+    layer = model.layers[0]
+    att, mlp = layer.self_attention, layer.mlp
+    assert len(model.layers) == 3 and model.embedding.word_embeddings.weight.shape == (64, 48)  # 50 -> 64
+    assert att.linear_qkv.weight.shape == ((6 + 2 * 2) * 10, 48) and att.linear_proj.weight.shape == (48, 60)
+    assert mlp.linear_fc1.weight.shape == (2 * 40, 48) and mlp.swiglu and att.linear_qkv.bias is None
+    assert model.embedding.position_embeddings.weight.shape == (20, 48) and run.model.seq_length == 12
+    assert model.output_layer.weight is not None  # untied: its own table
+    assert isinstance(layer.input_layernorm, RMSNorm) and layer.input_layernorm.eps == 1e-3
+    assert (att.dropout_p, layer.dropout.p, model.embedding.dropout.p) == (0.2, 0.3, 0.3)
+    assert abs(att.linear_qkv.weight.std().item() - 0.05) < 0.005
+    rope = parse_run_config([*BASE, *MODEL, "--position-embedding-type", "rope", "--rotary-base", "500"]).model
+    rotary = build_gpt_model(rope, seed=1).rotary
+    assert torch.allclose(rotary.inv_freq, 500.0 ** (-torch.arange(0, 8, 2) / 8))
