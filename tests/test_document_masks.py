@@ -1,6 +1,7 @@
 """--eod-mask-loss, --reset-position-ids and --reset-attention-mask: the batch fields against Megatron's loop
 (get_ltor_masks_and_position_ids, written out here), the model on a packed sample against each document alone, the
-trainer's datasets, and a pp = 2 pipeline (later stages get the same position ids and mask) against pp = 1."""
+trainer's datasets, and a pp = 2 pipeline (later stages get the same position ids and mask; bf16 stages with
+--fp32-residual-connection pass fp32 boundary tensors, checked by the P2P layer) against pp = 1, bit for bit."""
 
 from __future__ import annotations
 
@@ -104,8 +105,10 @@ def test_trainer_datasets_carry_the_fields() -> None:
 M, B, S = 3, 2, 6
 
 
-def _pp_config():  # RoPE: the later stages need the position ids too
-    return dataclasses.replace(pipeline_config(4, tied=False), position_embedding_type="rope")
+def _pp_config():  # RoPE: the later stages need the position ids too; bf16 stages pass an fp32 residual stream
+    return dataclasses.replace(
+        pipeline_config(4, tied=False), position_embedding_type="rope", fp32_residual_connection=True
+    )
 
 
 def _document_batches() -> list[dict[str, torch.Tensor]]:
@@ -123,17 +126,19 @@ def _pipeline_rank(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     cfg = ScheduleConfig(schedule="zb-h1", p2p_check=True)
     ctx = ParallelContext.initialize(pp=world_size, timeout=timedelta(seconds=30), chunks=1, placement="loop")
-    pipe = build_gpt_pipeline(ctx, _pp_config(), cfg, num_microbatches=M, micro_batch_size=B, seed=11)
+    pipe = build_gpt_pipeline(
+        ctx, _pp_config(), cfg, num_microbatches=M, micro_batch_size=B, seed=11, dtype=torch.bfloat16
+    )
     total = pipe.forward_backward(_document_batches())
     grads = {}
     for stage in pipe.stages.values():
         for n, p in stage.named_parameters():
-            grads[stage.global_name(n)] = p.grad.numpy().copy()
+            grads[stage.global_name(n)] = p.grad.float().numpy().copy()
     return {"total": total.item(), "grads": grads}
 
 
 def _reference(use_fields: bool) -> tuple[float, dict[str, np.ndarray]]:
-    model = build_gpt_model(_pp_config(), seed=11)
+    model = build_gpt_model(_pp_config(), seed=11).to(torch.bfloat16)
     total = torch.zeros((), dtype=torch.float64)
     for batch in _document_batches():
         extra = model_inputs(batch) if use_fields else {}
@@ -142,7 +147,7 @@ def _reference(use_fields: bool) -> tuple[float, dict[str, np.ndarray]]:
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
         (loss / M).backward()
         total += loss.detach().double()
-    return total.item(), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    return total.item(), {n: p.grad.float().numpy().copy() for n, p in model.named_parameters()}
 
 
 def test_pipeline_stages_get_the_position_ids_and_mask() -> None:

@@ -17,6 +17,7 @@ from model_configs import tiny_config
 from megatron.arguments import parse_run_config
 from megatron.checkpointing import _check_compatible
 from megatron.config.errors import ConfigError
+from megatron.config.kernels import KernelConfig
 from megatron.model import build_gpt_model
 from megatron.model.config import GPTConfig
 from megatron.model.mlp import MLP
@@ -259,3 +260,22 @@ def test_architecture_flags_shape_the_model() -> None:
     rope = parse_run_config([*BASE, *MODEL, "--position-embedding-type", "rope", "--rotary-base", "500"]).model
     rotary = build_gpt_model(rope, seed=1).rotary
     assert torch.allclose(rotary.inv_freq, 500.0 ** (-torch.arange(0, 8, 2) / 8))
+
+
+def test_kernel_selection_respects_the_variants(monkeypatch) -> None:
+    import megatron.kernels.select as select
+
+    monkeypatch.setattr(select, "triton_importable", lambda: True)
+    plain = select.resolve_kernels(KernelConfig(kernels="triton"), tiny_config(), on_cuda=True)
+    assert plain.bias_gelu and plain.norms
+    k = select.resolve_kernels(
+        KernelConfig(kernels="triton"), tiny_config(squared_relu=True, fp32_residual_connection=True), on_cuda=True
+    )
+    assert not k.bias_gelu and not k.norms  # no fused squared ReLU; the Triton norms take one dtype
+    assert "squared ReLU (no fused kernel)" in k.torch_notes
+    monkeypatch.setattr(select, "transformer_engine_problem", lambda: None)
+    monkeypatch.setattr(select, "transformer_engine_version", lambda: "2.3")
+    te = KernelConfig(kernels="torch", transformer_impl="transformer_engine")
+    assert select.resolve_kernels(te, tiny_config(), on_cuda=True).transformer_impl == "transformer_engine"
+    with pytest.raises(ConfigError, match="does not build --qk-layernorm, --squared-relu here"):
+        select.resolve_kernels(te, tiny_config(qk_layernorm=True, squared_relu=True), on_cuda=True)
