@@ -8,12 +8,11 @@ the same global batch see the same samples and the same mean loss.  Shared by th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron.data.document_masks import document_attention_mask
+from megatron.data.document_masks import model_inputs
 from megatron.data.mock_data import collate
 from megatron.parallel.context import ParallelContext
 from zb_pipeline import comm
@@ -33,17 +32,6 @@ def load_microbatch(dataset: Any, indices: list[int], device: torch.device) -> d
     """The samples ``indices`` of ``dataset`` collated into one batch (``tokens``, ``labels``, ``loss_mask``)."""
     batch = collate([dataset[i] for i in indices])
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The keyword inputs every stage takes besides tokens/hidden states: ``position_ids`` and ``attention_mask``
-    when the batch carries them (``megatron.data.document_masks``; none: positions 0..s-1, causal mask)."""
-    out = {}
-    if "position_ids" in batch:
-        out["position_ids"] = batch["position_ids"]
-    if "document_ids" in batch:
-        out["attention_mask"] = document_attention_mask(batch["document_ids"])
-    return out
 
 
 def microbatch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -16,9 +16,14 @@ from model_configs import pipeline_config, tiny_config
 from megatron.arguments import parse_run_config
 from megatron.config.documents import DocumentMaskConfig
 from megatron.config.errors import ConfigError
-from megatron.data.document_masks import DocumentMaskedDataset, apply_document_masks, document_attention_mask
+from megatron.data.document_masks import (
+    DocumentMaskedDataset,
+    apply_document_masks,
+    document_attention_mask,
+    model_inputs,
+)
 from megatron.data.mock_data import MockGPTDataset
-from megatron.microbatches import load_microbatch, microbatch_loss, model_inputs
+from megatron.microbatches import load_microbatch, microbatch_loss
 from megatron.model import build_gpt_model
 from megatron.parallel.context import ParallelContext
 from megatron.pipeline import ScheduleConfig, build_gpt_pipeline

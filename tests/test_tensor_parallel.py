@@ -9,8 +9,7 @@ import torch.distributed as dist
 from model_configs import TINY
 
 from megatron.config.documents import DocumentMaskConfig
-from megatron.data.document_masks import apply_document_masks
-from megatron.microbatches import model_inputs
+from megatron.data.document_masks import apply_document_masks, model_inputs
 from megatron.model import GPTConfig, build_gpt_model
 from megatron.parallel.tensor_parallel import (
     TPContext,

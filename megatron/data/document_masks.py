@@ -11,11 +11,13 @@ A GPT sample runs across document boundaries.  For the inputs ``tokens [s]`` of 
 ``--reset-position-ids`` and ``document_ids`` only with ``--reset-attention-mask`` (a batch without them means
 positions ``0..s-1`` and the causal mask, so a run without these flags computes exactly what it did before).
 ``document_attention_mask`` turns a batch's document ids into the model's ``attention_mask`` on the batch's device:
-position i attends to j iff j <= i and both lie in the same document.
+position i attends to j iff j <= i and both lie in the same document; ``model_inputs`` gives every stage's model
+call its keyword inputs from a batch (the pp = 1 loop and the pipeline share it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -46,6 +48,17 @@ def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
     same = doc_ids[:, :, None] == doc_ids[:, None, :]  # [b, s, s]
     return ~(same & causal).unsqueeze(1)
+
+
+def model_inputs(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword inputs every stage takes besides tokens/hidden states: ``position_ids`` and ``attention_mask``
+    when the batch carries them (``megatron.data.document_masks``; none: positions 0..s-1, causal mask)."""
+    out = {}
+    if "position_ids" in batch:
+        out["position_ids"] = batch["position_ids"]
+    if "document_ids" in batch:
+        out["attention_mask"] = document_attention_mask(batch["document_ids"])
+    return out
 
 
 def apply_document_masks(sample: dict[str, torch.Tensor], eod: int, config: DocumentMaskConfig) -> dict:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron.config.errors import ConfigError
-from megatron.microbatches import model_inputs
+from megatron.data.document_masks import model_inputs
 from megatron.model.config import GPTConfig
 from megatron.model.gpt import WORD_EMBEDDING, GPTStage, build_gpt_stages
 from megatron.parallel.context import ParallelContext
