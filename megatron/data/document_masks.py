@@ -75,7 +75,10 @@ def apply_document_masks(sample: dict[str, torch.Tensor], eod: int, config: Docu
 
 
 class DocumentMaskedDataset:
-    """``dataset`` with ``apply_document_masks`` on every sample (``dataset[k]`` stays a function of ``k``)."""
+    """``dataset`` with ``apply_document_masks`` on every sample (``dataset[k]`` stays a function of ``k``).
+
+    Only samples are served: the wrapped dataset's raw-token readers (``tokens``, ``tokens_batch``) are not
+    forwarded, so nothing can read around the masks."""
 
     def __init__(self, dataset: Any, *, eod: int, config: DocumentMaskConfig) -> None:
         self.dataset, self.eod, self.config = dataset, eod, config
@@ -86,10 +89,9 @@ class DocumentMaskedDataset:
     def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
         return apply_document_masks(self.dataset[k], self.eod, self.config)
 
-    def __getattr__(self, name: str) -> Any:  # seq_length, tokens(k), ...: the wrapped dataset's
-        if name == "dataset":
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
+    @property
+    def seq_length(self) -> int:
+        return self.dataset.seq_length
 
     def __repr__(self) -> str:
         return f"DocumentMaskedDataset({self.dataset!r}, eod={self.eod}, {', '.join(self.config.flags())})"
