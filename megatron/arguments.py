@@ -31,6 +31,7 @@ from megatron.config.optimizer import OptimizerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
+from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
@@ -152,15 +153,16 @@ def _document_config(v: dict[str, Any]) -> tuple[DocumentMaskConfig, list[str]]:
         reset_attention_mask=v["reset_attention_mask"],
     )
     notes = []
-    if documents.active and v["tokenizer_type"] is None:
+    names = ("vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+    if documents.active and not tokenizer_given(v["tokenizer_type"], **{k: v[k] for k in names}):
         flags = " / ".join(documents.flags())
         require(
             v["mock_data"],
-            f"{flags} needs the tokenizer's end-of-document id; pass --tokenizer-type (and its files)",
+            f"{flags} needs the tokenizer's end-of-document id; pass --tokenizer-type and its files",
         )
         notes.append(
-            f"{flags} has no effect: --mock-data without --tokenizer-type has no end-of-document token "
-            "(pass --tokenizer-type NullTokenizer --vocab-size N for one)"
+            f"{flags} has no effect: --mock-data without a tokenizer (--tokenizer-type and its files) has no "
+            "end-of-document token"
         )
     backend = v["attention_backend"]
     if backend in ("flash", "fused", "unfused"):

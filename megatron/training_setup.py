@@ -13,7 +13,7 @@ import torch
 
 from megatron.arguments import RunConfig
 from megatron.config.errors import ConfigError
-from megatron.data.document_masks import DocumentMaskedDataset
+from megatron.data.document_masks import DocumentMaskedDataset, tokenizer_given
 from megatron.data.mock_data import MockGPTDataset
 from megatron.kernels.select import apply_kernels
 from megatron.model import build_gpt_model
@@ -130,7 +130,9 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
 
 def eod_token(run: RunConfig) -> int | None:
     """The tokenizer's end-of-document id (``None`` without a tokenizer: --mock-data alone has no EOD token)."""
-    if run.data.tokenizer_type is None:
+    d = run.data
+    names = dict(vocab_file=d.vocab_file, merge_file=d.merge_file, tokenizer_model=d.tokenizer_model)
+    if not tokenizer_given(d.tokenizer_type, vocab_size=d.vocab_size, **names):
         return None
     from megatron.tokenizer.build import build_tokenizer
 

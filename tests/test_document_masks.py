@@ -103,7 +103,9 @@ def test_trainer_datasets_carry_the_fields() -> None:
     assert document_masked(plain, dataset.dataset) is dataset.dataset  # no flag: the dataset untouched
     mock_only = parse_run_config([*argv, "--eod-mask-loss"])
     assert any("no end-of-document token" in w for w in mock_only.ignored_flag_warnings())
-    with pytest.raises(ConfigError, match="end-of-document id; pass --tokenizer-type"):
+    no_files = parse_run_config([*argv, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "9", "--eod-mask-loss"])
+    assert any("no end-of-document token" in w for w in no_files.ignored_flag_warnings())
+    with pytest.raises(ConfigError, match="end-of-document id; pass --tokenizer-type and its files"):
         parse_run_config([*common, "--data-path", "x", "--vocab-size", "9", "--reset-position-ids"])
 
 

@@ -25,6 +25,26 @@ import torch
 from megatron.config.documents import DocumentMaskConfig
 
 
+def tokenizer_given(
+    tokenizer_type: str | None,
+    *,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+) -> bool:
+    """Whether the flags name a tokenizer together with the files it needs (so it has an EOD id to read)."""
+    if tokenizer_type is None:
+        return False
+    from megatron.tokenizer.build import TokenizerConfig
+
+    try:
+        TokenizerConfig(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
+    except ValueError:
+        return False
+    return True
+
+
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """``[..., s]`` -> ``[..., s]`` int64: the number of EOD tokens strictly before each position."""
     is_eod = (tokens == eod).long()
