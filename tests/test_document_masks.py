@@ -166,3 +166,24 @@ def test_pipeline_stages_get_the_position_ids_and_mask() -> None:
     assert got.keys() == ref.keys()
     for name, g in got.items():
         assert np.array_equal(g, ref[name]), name
+
+
+def test_middle_pipeline_ranks_load_the_batches_the_fields_need() -> None:
+    from types import SimpleNamespace
+
+    from megatron.pipeline.trainer_hooks import _batches
+
+    dataset = DocumentMaskedDataset(
+        MockGPTDataset(seed=1, seq_length=8, vocab_size=8, num_samples=8), eod=7, config=ALL
+    )
+    middle = SimpleNamespace(holds_first_stage=False, holds_last_stage=False)
+    ctx = SimpleNamespace(dp_rank=0, device=torch.device("cpu"))
+
+    def batches(documents: DocumentMaskConfig) -> list[dict]:
+        training = SimpleNamespace(micro_batch_size=2)
+        run = SimpleNamespace(num_microbatches=2, dp_size=1, training=training, documents=documents)
+        return _batches(SimpleNamespace(run=run, ctx=ctx, pipeline=middle), dataset, 0)
+
+    loaded = batches(ALL)  # RoPE positions and the mask are read by every stage
+    assert [set(b) >= {"position_ids", "document_ids"} for b in loaded] == [True, True]
+    assert batches(DocumentMaskConfig(eod_mask_loss=True)) == [{}, {}]  # only the last stage reads the loss mask
