@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import MOCK_DATA_VOCAB_SIZE, NO_DATA_MESSAGE, DataConfig
+from megatron.config.documents import DocumentMaskConfig
 from megatron.config.errors import ConfigError, require
 from megatron.config.kernels import KernelConfig
 from megatron.config.logging_config import LoggingConfig
@@ -31,6 +32,7 @@ from megatron.config.overrides import override_warnings
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.config.training import TrainingConfig
+from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
@@ -60,6 +62,8 @@ class RunConfig:
     pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)  # the pipeline schedule (used when pp > 1)
     pipeline_layout: PipelineLayout | None = None  # pp > 1: the plan and each virtual stage's layers
     kernels: KernelSelection = field(default_factory=KernelSelection)  # torch or Triton, per fused op
+    documents: DocumentMaskConfig = field(default_factory=DocumentMaskConfig)  # EOD loss mask / position / attention
+    model_flag_notes: tuple[str, ...] = ()  # one warning line each: model/data-variant flags that cannot apply here
 
     @property
     def padded_vocab_size(self) -> int:
@@ -70,8 +74,8 @@ class RunConfig:
         )
 
     def ignored_flag_warnings(self) -> list[str]:
-        ignored = [f"warning: {f} is ignored here ({KNOWN_IGNORED_FLAGS[f][1]})" for f in self.ignored_flags]
-        return ignored + list(self.overridden_flags)
+        lines = [f"warning: {f} is ignored here ({KNOWN_IGNORED_FLAGS[f][1]})" for f in self.ignored_flags]
+        return lines + list(self.overridden_flags) + [f"warning: {note}" for note in self.model_flag_notes]
 
 
 def _coerce_model_value(table: FlagTable, dest: str, value: Any, source: str) -> Any:
@@ -127,10 +131,48 @@ def model_config_from_flags(v: dict[str, Any], tp: int) -> GPTConfig:
             **fields,
             "vocab_size": vocab,
             "num_query_groups": v["num_query_groups"] if v["group_query_attention"] else None,  # None: = heads
+            "position_embedding_type": position_embedding_type(v),
         }
     )
     model.check_tensor_parallel(tp)
     return model
+
+
+def position_embedding_type(v: dict[str, Any]) -> str:
+    """--position-embedding-type after Megatron's legacy aliases: --use-rotary-position-embeddings is rope;
+    --no-position-embedding drops the learned table (no position information unless rope)."""
+    kind = "rope" if v["use_rotary_position_embeddings"] else v["position_embedding_type"]
+    if not v["add_position_embedding"] and kind == "learned_absolute":
+        kind = "none"
+    return kind
+
+
+def _document_config(v: dict[str, Any]) -> tuple[DocumentMaskConfig, list[str]]:
+    """--eod-mask-loss / --reset-position-ids / --reset-attention-mask, and the warning when nothing can apply."""
+    documents = DocumentMaskConfig(
+        eod_mask_loss=v["eod_mask_loss"],
+        reset_position_ids=v["reset_position_ids"],
+        reset_attention_mask=v["reset_attention_mask"],
+    )
+    notes = []
+    names = ("vocab_file", "merge_file", "tokenizer_model", "vocab_size")
+    if documents.active and not tokenizer_given(v["tokenizer_type"], **{k: v[k] for k in names}):
+        flags = " / ".join(documents.flags())
+        require(
+            v["mock_data"],
+            f"{flags} needs the tokenizer's end-of-document id; pass --tokenizer-type and its files",
+        )
+        notes.append(
+            f"{flags} has no effect: --mock-data without a tokenizer (--tokenizer-type and its files) has no "
+            "end-of-document token"
+        )
+    backend = v["attention_backend"]
+    if backend in ("flash", "fused", "unfused"):
+        notes.append(
+            f"--attention-backend {backend} is not applied: attention runs through torch's "
+            "scaled_dot_product_attention, which chooses its kernel itself (results do not depend on this flag)"
+        )
+    return documents, notes
 
 
 def _parallel_config(v: dict[str, Any]) -> ParallelConfig:
@@ -245,6 +287,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     lr_schedule, optimizer, precision = _optimizer_configs(v)
     data, checkpoint, logging = _io_configs(v, model)
     pipeline = ScheduleConfig.from_flags(v)
+    documents, model_flag_notes = _document_config(v)
     layout = None
     if parallel.pp_size > 1:  # the plan and the layer split, once: a shape they cannot serve exits 2 before any talk
         layout = pipeline_layout(
@@ -275,4 +318,6 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         pipeline=pipeline,
         pipeline_layout=layout,
         kernels=kernels,
+        documents=documents,
+        model_flag_notes=tuple(model_flag_notes),
     )

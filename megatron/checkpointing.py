@@ -29,6 +29,7 @@ import torch
 
 from megatron import checkpoint_files as cf
 from megatron.config.errors import ConfigError, RunAbortedError
+from megatron.model.config import GPTConfig
 from megatron.parallel.tensor_parallel import VocabParallelEmbedding
 from megatron.tokenizer.recorded import copy_tokenizer_files, tokenizer_sources
 from zb_pipeline import comm
@@ -228,7 +229,9 @@ def _check_compatible(tr: Trainer, common: dict[str, Any], directory: Path) -> N
         )
     saved_model = common["model_args"]  # its padded_vocab_size follows tp, checked above; the config's fields here
     ours = dataclasses.asdict(tr.run.model)
-    diffs = [f"{k}={saved_model.get(k)!r} (run: {v!r})" for k, v in ours.items() if saved_model.get(k) != v]
+    # a field newer than the checkpoint was written with its default (e.g. qk_layernorm before it existed)
+    saved = {k: saved_model.get(k, GPTConfig.default(k)) for k in ours}
+    diffs = [f"{k}={saved[k]!r} (run: {v!r})" for k, v in ours.items() if saved[k] != v]
     if diffs:
         raise ConfigError(
             f"checkpoint {directory} is of another model: {', '.join(diffs[:4])}; "

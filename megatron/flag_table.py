@@ -21,7 +21,7 @@ from megatron.config.errors import ConfigError
 from megatron.config.kernels import KERNEL_BACKENDS, TRANSFORMER_IMPLS
 from megatron.config.lr_schedule import LR_DECAY_STYLES
 from megatron.config.model_sizes import available_sizes
-from megatron.model.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
+from megatron.model.config import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 from megatron.optimizer.registry import optimizer_names
 from megatron.pipeline.schedule_flags import schedule_flag_specs
 
@@ -37,6 +37,10 @@ KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--no-persist-layer-norm": (False, "no persistent layer-norm kernel"),
     "--attention-softmax-in-fp32": (False, "scaled_dot_product_attention chooses its own softmax precision"),
     "--apply-query-key-layer-scaling": (False, "attention is scaled by 1/sqrt(head dim) only"),
+    "--no-create-attention-mask-in-dataloader": (
+        False,
+        "--reset-attention-mask's mask is built from document ids on the device either way",
+    ),
     "--accumulate-allreduce-grads-in-fp32": (False, "gradients are always reduced in fp32 main-gradient buffers"),
     "--overlap-grad-reduce": (False, "the data-parallel reducer always overlaps bucket reductions with backward"),
     "--no-async-tensor-model-parallel-allreduce": (False, "tensor-parallel collectives are not made asynchronous"),
@@ -144,6 +148,7 @@ def build_parser() -> tuple[OneLineParser, FlagTable]:
     )
     table = FlagTable(parser)
     _model_flags(table)
+    _document_flags(table)
     _training_flags(table)
     _optimizer_flags(table)
     _parallel_flags(table)
@@ -206,7 +211,62 @@ def _model_flags(t: FlagTable) -> None:
     m(g, "--attention-dropout", type=fl, help="dropout on attention probabilities")
     m(g, "--hidden-dropout", type=fl, help="dropout on hidden states")
     m(g, "--init-method-std", type=fl, help="std of the normal weight initialisation")
+    _model_variant_flags(t, g)
     t.model_keys = frozenset(set(t.defaults) - before)
+    t.add(
+        g,
+        "--attention-backend",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="Megatron's attention implementation choice; attention here is always torch's "
+        "scaled_dot_product_attention (which picks its own kernel), so results do not depend on it",
+    )
+
+
+def _model_variant_flags(t: FlagTable, g: argparse._ArgumentGroup) -> None:
+    """Position-embedding, norm, activation and residual-precision variants (GPTConfig fields, or aliases)."""
+    m = t.add_model_flag
+    t.add(
+        g,
+        "--use-rotary-position-embeddings",
+        switch=True,
+        help="= --position-embedding-type rope (Megatron's legacy flag)",
+    )
+    t.add(
+        g,
+        "--no-position-embedding",
+        switch=True,
+        store_false=True,
+        dest="add_position_embedding",
+        help="no learned position embedding (= --position-embedding-type none unless rope)",
+    )
+    m(g, "--rotary-percent", type=float, help="share of each head's channels that RoPE rotates")
+    m(g, "--qk-layernorm", switch=True, help="normalise each query and key head (--normalization) before RoPE")
+    m(
+        g,
+        "--apply-layernorm-1p",
+        switch=True,
+        help="norm weights stored as gamma - 1 (zero-centred): y = norm(x) * (1 + w)",
+    )
+    m(g, "--squared-relu", switch=True, help="relu(x)^2 MLP activation instead of GeLU")
+    m(
+        g,
+        "--fp32-residual-connection",
+        switch=True,
+        help="keep the residual stream (and pipeline boundary tensors) in fp32 under --bf16/--fp16",
+    )
+
+
+def _document_flags(t: FlagTable) -> None:
+    g = t.parser.add_argument_group("data: end-of-document variants (megatron.data.document_masks; need a tokenizer)")
+    t.add(g, "--eod-mask-loss", switch=True, help="no loss where the input token is the end-of-document token")
+    t.add(g, "--reset-position-ids", switch=True, help="position ids restart at 0 after each end-of-document token")
+    t.add(
+        g,
+        "--reset-attention-mask",
+        switch=True,
+        help="no attention across an end-of-document token within a sample (block-diagonal causal mask)",
+    )
 
 
 def _training_flags(t: FlagTable) -> None:

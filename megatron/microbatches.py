@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron.data.document_masks import model_inputs
 from megatron.data.mock_data import collate
 from megatron.parallel.context import ParallelContext
 from zb_pipeline import comm
@@ -35,7 +36,7 @@ def load_microbatch(dataset: Any, indices: list[int], device: torch.device) -> d
 
 def microbatch_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Masked mean of the per-token loss of one microbatch (a scalar)."""
-    per_token = model(batch["tokens"], labels=batch["labels"])  # [b, s] fp32
+    per_token = model(batch["tokens"], labels=batch["labels"], **model_inputs(batch))  # [b, s] fp32
     mask = batch["loss_mask"]
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 

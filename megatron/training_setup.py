@@ -13,6 +13,7 @@ import torch
 
 from megatron.arguments import RunConfig
 from megatron.config.errors import ConfigError
+from megatron.data.document_masks import DocumentMaskedDataset, tokenizer_given
 from megatron.data.mock_data import MockGPTDataset
 from megatron.kernels.select import apply_kernels
 from megatron.model import build_gpt_model
@@ -111,6 +112,7 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
     scheduler = LRScheduler(run.lr_schedule, train_iters=run.training.train_iters)
     if train_data is None:
         train_data, valid_data = build_datasets(run, ctx)
+    train_data, valid_data = document_masked(run, train_data), document_masked(run, valid_data)
     return Trainer(
         run=run,
         ctx=ctx,
@@ -124,6 +126,32 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         pipeline=pipeline,
         post_validation=post_validation,
     )
+
+
+def eod_token(run: RunConfig) -> int | None:
+    """The tokenizer's end-of-document id (``None`` without a tokenizer: --mock-data alone has no EOD token)."""
+    d = run.data
+    names = dict(vocab_file=d.vocab_file, merge_file=d.merge_file, tokenizer_model=d.tokenizer_model)
+    if not tokenizer_given(d.tokenizer_type, vocab_size=d.vocab_size, **names):
+        return None
+    from megatron.tokenizer.build import build_tokenizer
+
+    try:
+        return int(build_tokenizer(run.data).eod)
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"cannot build the tokenizer for its end-of-document id: {str(err).splitlines()[0]}"
+        ) from None
+
+
+def document_masked(run: RunConfig, dataset: Any) -> Any:
+    """``dataset`` with --eod-mask-loss / --reset-position-ids / --reset-attention-mask applied to its samples."""
+    if dataset is None or not run.documents.active:
+        return dataset
+    eod = eod_token(run)
+    if eod is None:  # warned at flag parsing: nothing to mask
+        return dataset
+    return DocumentMaskedDataset(dataset, eod=eod, config=run.documents)
 
 
 def build_optimizer(run: RunConfig, ctx: ParallelContext, model: torch.nn.Module) -> MainParamOptimizer:

@@ -66,7 +66,7 @@ def forward_backward(tr: Trainer) -> float:
         (loss * scale / m).backward()
         total += loss.detach().double()
     tr.reducer.finish()
-    if run.parallel.sequence_parallel:
+    if run.parallel.sequence_parallel or run.model.qk_layernorm:  # grads that are partial sums over tp
         allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
     return mean_over_dp(total, m, ctx)
 

@@ -80,7 +80,8 @@ def test_model_flags_are_gptconfig_fields_with_its_defaults():
     assert isinstance(run.model, GPTConfig)  # the one model config: no separate flag-level model record
     _, table = build_parser()
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
-    assert table.model_keys == fields | {"group_query_attention"}  # what a --model-config file may set
+    aliases = {"group_query_attention", "use_rotary_position_embeddings", "add_position_embedding"}
+    assert table.model_keys == fields | aliases  # what a --model-config file may set
     for name in fields - {"num_query_groups"}:  # Megatron's --num-query-groups default (1) applies with GQA only
         assert table.defaults[name] == GPTConfig.default(name), name
 

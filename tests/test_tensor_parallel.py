@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from model_configs import TINY
 
+from megatron.config.documents import DocumentMaskConfig
+from megatron.data.document_masks import apply_document_masks, model_inputs
 from megatron.model import GPTConfig, build_gpt_model
 from megatron.parallel.tensor_parallel import (
     TPContext,
@@ -34,7 +36,19 @@ CASES = {
         True,
     ),
     "untied": (dict(untie_embeddings_and_output_weights=True, num_query_groups=4), False),
+    # model variants, on packed documents (explicit attention mask and position ids; tests/test_document_masks.py)
+    "variants-docs-sp": (
+        dict(
+            position_embedding_type="rope",
+            rotary_percent=0.5,
+            qk_layernorm=True,
+            apply_layernorm_1p=True,
+            squared_relu=True,
+        ),
+        True,
+    ),
 }
+DOCUMENT_CASES = {"variants-docs-sp"}
 
 
 def _batch(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +56,22 @@ def _batch(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _step(model: torch.nn.Module, cfg: GPTConfig, tp, store: WeightGradStore | None) -> tuple[float, dict]:
+def _document_inputs(tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Position ids and attention mask of ``tokens`` packed from documents ended by token 0 (every 5th token)."""
+    tokens = tokens.clone()
+    tokens[:, 4::5] = 0
+    config = DocumentMaskConfig(reset_position_ids=True, reset_attention_mask=True)
+    fields = [apply_document_masks({"tokens": t, "loss_mask": torch.ones(t.shape)}, 0, config) for t in tokens]
+    return model_inputs({k: torch.stack([f[k] for f in fields]) for k in ("position_ids", "document_ids")})
+
+
+def _step(
+    model: torch.nn.Module, cfg: GPTConfig, tp, store: WeightGradStore | None, documents: bool = False
+) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     bind_weight_grad_store(model, store)
     tokens, labels = _batch(cfg)
-    loss = model(tokens, labels).mean()
+    loss = model(tokens, labels, **(_document_inputs(tokens) if documents else {})).mean()
     if store is None:
         loss.backward()
     else:
@@ -77,8 +102,9 @@ def _tp_worker(rank: int, world_size: int, case_names: list[str]) -> dict:
         kw, sp = CASES[name]
         cfg = GPTConfig(**{**BASE, **kw})
         model = build_gpt_model(cfg, tp=tp, sequence_parallel=sp, seed=SEED)
-        loss, grads = _step(model, cfg, tp, None)
-        loss_split, grads_split = _step(model, cfg, tp, WeightGradStore())
+        docs = name in DOCUMENT_CASES
+        loss, grads = _step(model, cfg, tp, None, docs)
+        loss_split, grads_split = _step(model, cfg, tp, WeightGradStore(), docs)
         assert loss_split == loss
         for n in grads:  # B then W under TP (+SP): exact, except the tied table (two parts, another order)
             if n == "embedding.word_embeddings.weight" and cfg.tied_embeddings:
@@ -102,7 +128,7 @@ def test_tp2_matches_tp1() -> None:
         kw, _ = CASES[name]
         cfg = GPTConfig(**{**BASE, **kw})
         ref_model = build_gpt_model(cfg, seed=SEED)
-        ref_loss, ref = _step(ref_model, cfg, TPContext(), None)
+        ref_loss, ref = _step(ref_model, cfg, TPContext(), None, name in DOCUMENT_CASES)
         for rank in range(2):
             loss, grads = per_rank[rank][name]
             assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, loss, ref_loss)

@@ -246,8 +246,9 @@ class GPTDataset:
 
 
 def sample_dict(tokens: np.ndarray) -> dict:
-    """Megatron's GPT sample: tokens, labels (shifted by one), loss_mask (ones) and position_ids, in host memory
-    (``megatron.microbatches.load_microbatch`` moves the batch to the run's device)."""
+    """Megatron's GPT sample: tokens, labels (shifted by one) and loss_mask (ones), in host memory
+    (``megatron.microbatches.load_microbatch`` moves the batch to the run's device).  Positions ``0..s-1`` and the
+    causal mask are implicit; EOD-derived ones come from ``megatron.data.document_masks``."""
     import torch
 
     t = torch.from_numpy(tokens)
@@ -256,5 +257,4 @@ def sample_dict(tokens: np.ndarray) -> dict:
         "tokens": t[:-1].clone(),
         "labels": t[1:].clone(),
         "loss_mask": torch.ones(n, dtype=torch.float32, device="cpu"),
-        "position_ids": torch.arange(n, dtype=torch.int64, device="cpu"),
     }

@@ -8,8 +8,9 @@ run can keep improving by learning the whole table. Sample ``i`` of a split is d
 random stream keyed by ``(seed, split, i)``, so any data-parallel layout, microbatch size or restart sees exactly the
 same tokens for the same global sample index.
 
-Samples follow Megatron's GPT dataset: ``tokens`` (inputs), ``labels`` (inputs shifted by one), ``loss_mask``
-(all ones here) and ``position_ids``; the causal mask is implicit.
+Samples follow Megatron's GPT dataset: ``tokens`` (inputs), ``labels`` (inputs shifted by one) and ``loss_mask``
+(all ones here); positions ``0..s-1`` and the causal mask are implicit (EOD-derived ones:
+``megatron.data.document_masks``).
 """
 
 from __future__ import annotations
@@ -102,7 +103,6 @@ class MockGPTDataset:
             "tokens": toks[:-1].clone(),
             "labels": toks[1:].clone(),
             "loss_mask": torch.ones(self.seq_length, dtype=torch.float32, device="cpu"),
-            "position_ids": torch.arange(self.seq_length, dtype=torch.int64, device="cpu"),
         }
 
 

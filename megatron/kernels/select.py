@@ -107,6 +107,8 @@ def resolve_kernels(
     ``ConfigError`` (one line with the fix) for what this machine or layout cannot serve."""
     on_cuda = torch.cuda.is_available() if on_cuda is None else on_cuda
     te_version = _check_transformer_engine(config, on_cuda=on_cuda, tp_size=tp_size)
+    if te_version is not None:
+        _check_transformer_engine_model(model)
     selection = _resolve_fused(config, model, on_cuda=on_cuda)
     wgrad = "triton" if selection.backend == "triton" and selection.weight_grad else "torch"
     if config.kernels == "auto" and on_cuda and config.gradient_accumulation_fusion and apex_weight_grad_available():
@@ -139,6 +141,25 @@ def _check_transformer_engine(config: KernelConfig, *, on_cuda: bool, tp_size: i
     return transformer_engine_version()
 
 
+def _check_transformer_engine_model(model: GPTConfig) -> None:
+    """Model variants the Transformer Engine layers here do not build: one line, exit 2."""
+    unsupported = [
+        flag
+        for flag, on in (
+            ("--qk-layernorm", model.qk_layernorm),
+            ("--apply-layernorm-1p", model.apply_layernorm_1p),
+            ("--squared-relu", model.squared_relu),
+            ("--fp32-residual-connection", model.fp32_residual_connection),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ConfigError(
+            f"--transformer-impl transformer_engine does not build {', '.join(unsupported)} here; "
+            "use --transformer-impl local"
+        )
+
+
 def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> KernelSelection:
     """``--kernels`` and the fusion flags: torch or Triton per operation."""
     if config.kernels == "torch":
@@ -158,7 +179,10 @@ def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> 
         raise ConfigError(f"--kernels triton without CUDA runs Triton's interpreter, but {problem}")
     notes = []
     norms = model.hidden_size <= MAX_NORM_HIDDEN
-    if not norms:
+    if model.fp32_residual_connection:  # the Triton norms take one dtype; fp32 input with bf16/fp16 weights: torch
+        norms = False
+        notes.append(f"{model.normalization} (--fp32-residual-connection)")
+    elif not norms:
         problem = (
             f"the Triton {model.normalization} kernel normalises a row in one tile of at most {MAX_NORM_HIDDEN} "
             f"columns, but --hidden-size is {model.hidden_size}"
@@ -166,10 +190,13 @@ def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> 
         if explicit:
             raise ConfigError(f"--kernels triton: {problem}; use --kernels torch")
         notes.append(f"{model.normalization} (hidden size {model.hidden_size} > {MAX_NORM_HIDDEN})")
-    gelu = not model.swiglu and config.bias_gelu_fusion
+    is_gelu = not model.swiglu and not model.squared_relu
+    gelu = is_gelu and config.bias_gelu_fusion
     swiglu = model.swiglu and config.bias_swiglu_fusion
-    if not model.swiglu and not config.bias_gelu_fusion:
+    if is_gelu and not config.bias_gelu_fusion:
         notes.append("GeLU (--no-bias-gelu-fusion)")
+    if model.squared_relu:
+        notes.append("squared ReLU (no fused kernel)")
     if model.swiglu and not config.bias_swiglu_fusion:
         notes.append("SwiGLU (--no-bias-swiglu-fusion)")
     if not config.gradient_accumulation_fusion:
@@ -233,7 +260,7 @@ def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
         if isinstance(module, MLP):
             if module.swiglu and selection.bias_swiglu:
                 module.activation_kernel = triton_bias_swiglu
-            elif not module.swiglu and selection.bias_gelu:
+            elif not module.swiglu and not module.squared_relu and selection.bias_gelu:
                 module.activation_kernel = triton_bias_gelu
         if selection.cross_entropy and isinstance(module, GPTStage):
             module.cross_entropy_kernel = fused_vocab_parallel_cross_entropy

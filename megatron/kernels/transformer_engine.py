@@ -137,7 +137,12 @@ class TELayer(torch.nn.Module):
         )
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         # x: [s, b, h]; same shape out
         out = attend(
             self.qkv(x),
@@ -146,6 +151,7 @@ class TELayer(torch.nn.Module):
             head_dim=self.head_dim,
             rotary=rotary,
             dropout_p=self.dropout_p if self.training else 0.0,
+            attention_mask=attention_mask,
         )  # [s, b, nq * d]
         x = x + self.dropout(self.proj(out))
         return x + self.dropout(self.mlp(x))

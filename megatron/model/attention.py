@@ -6,6 +6,12 @@ groups, so its shard is a plain slice of the full weight, whatever the tp size.
 
 With a ``LayerKVCache`` (inference only) the new tokens' keys and values are appended to the cache and the queries
 attend to every cached position up to their own (``attend_cached``); without one the code path is the training one.
+Optional, with Megatron's meaning: ``--qk-layernorm`` normalises each query and key head over its ``d`` channels
+(one ``[d]`` weight shared by all heads, before RoPE); an explicit ``attention_mask [b, 1, s, s]`` (bool, True =
+masked out, Megatron's convention; ``--reset-attention-mask`` builds it from document ids) replaces the implicit
+causal mask.  Under tensor parallelism each rank normalises only its own heads, so the q/k norm weights' gradients
+are partial sums: they are tagged ``sequence_parallel`` and summed over the tensor-parallel group like the
+sequence-parallel norms'.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch.nn.functional as F
 
 from megatron.model.config import GPTConfig
 from megatron.model.kv_cache import LayerKVCache
+from megatron.model.norms import build_norm
 from megatron.model.rope import apply_rotary
 from megatron.parallel.tensor_parallel import ColumnParallelLinear, HasTensorParallel, RowParallelLinear
 
@@ -31,6 +38,13 @@ class SelfAttention(torch.nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, config.qkv_projection_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
         )
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            norm = dict(eps=config.norm_epsilon, zero_centered=config.apply_layernorm_1p)
+            # tagged sequence_parallel: each tp rank sees only its heads, so the gradients are summed over tp
+            partial = tp.tp_size > 1
+            self.q_layernorm = build_norm(config.normalization, self.head_dim, sequence_parallel=partial, **norm)
+            self.k_layernorm = build_norm(config.normalization, self.head_dim, sequence_parallel=partial, **norm)
         self.linear_proj = RowParallelLinear(
             config.query_projection_size, config.hidden_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
         )
@@ -39,13 +53,15 @@ class SelfAttention(torch.nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
         qkv = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
         if kv_cache is not None:
             shape = dict(groups=self.groups, heads_per_group=self.heads_per_group, head_dim=self.head_dim)
-            return self.linear_proj(attend_cached(qkv, kv_cache, rotary=rotary, **shape))
+            norms = dict(q_norm=self.q_layernorm, k_norm=self.k_layernorm)
+            return self.linear_proj(attend_cached(qkv, kv_cache, rotary=rotary, **shape, **norms))
         out = attend(
             qkv,
             groups=self.groups,
@@ -53,6 +69,9 @@ class SelfAttention(torch.nn.Module):
             head_dim=self.head_dim,
             rotary=rotary,
             dropout_p=self.dropout_p if self.training else 0.0,
+            q_norm=self.q_layernorm,
+            k_norm=self.k_layernorm,
+            attention_mask=attention_mask,
         )  # [s, b, nq * d]
         return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
 
@@ -65,15 +84,26 @@ def attend(
     head_dim: int,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
     dropout_p: float,
+    q_norm: torch.nn.Module | None = None,
+    k_norm: torch.nn.Module | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention over a fused QKV projection laid out group by group (module docstring).
+    """Attention over a fused QKV projection laid out group by group (module docstring): causal, or as
+    ``attention_mask [b, 1, s, s]`` (True = masked out) says.
 
     ``qkv``: ``[s, b, groups * (heads_per_group + 2) * head_dim]`` -> ``[s, b, groups * heads_per_group * head_dim]``.
     Shared by ``SelfAttention`` and the Transformer Engine layers (``megatron.kernels.transformer_engine``)."""
     s, b = qkv.shape[0], qkv.shape[1]
     hpg = heads_per_group
-    q, k, v = _split_heads(qkv, groups=groups, heads_per_group=hpg, head_dim=head_dim, rotary=rotary)
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=hpg > 1)
+    q, k, v = _split_heads(
+        qkv, groups=groups, heads_per_group=hpg, head_dim=head_dim, rotary=rotary, q_norm=q_norm, k_norm=k_norm
+    )
+    if attention_mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=hpg > 1)
+    else:  # SDPA's boolean mask says who takes part: the opposite of Megatron's
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p, enable_gqa=hpg > 1
+        )
     return out.permute(2, 0, 1, 3).reshape(s, b, groups * hpg * head_dim)  # [b, nq, s, d] -> [s, b, nq * d]
 
 
@@ -85,12 +115,16 @@ def attend_cached(
     heads_per_group: int,
     head_dim: int,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    q_norm: torch.nn.Module | None = None,
+    k_norm: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """``attend`` for new tokens at positions ``cache.offset ..``: their keys and values join the cache and each
     query sees every cached position up to its own (no dropout: inference)."""
     s, b = qkv.shape[0], qkv.shape[1]
     hpg, offset = heads_per_group, cache.offset
-    q, k, v = _split_heads(qkv, groups=groups, heads_per_group=hpg, head_dim=head_dim, rotary=rotary)
+    q, k, v = _split_heads(
+        qkv, groups=groups, heads_per_group=hpg, head_dim=head_dim, rotary=rotary, q_norm=q_norm, k_norm=k_norm
+    )
     k, v = cache.append(k, v)  # [b, g, offset + s, d]
     mask = None
     if offset > 0 and s > 1:  # query i (position offset + i) sees keys 0 .. offset + i
@@ -107,6 +141,8 @@ def _split_heads(
     heads_per_group: int,
     head_dim: int,
     rotary: tuple[torch.Tensor, torch.Tensor] | None,
+    q_norm: torch.nn.Module | None = None,
+    k_norm: torch.nn.Module | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused projection ``[s, b, ...]`` -> q ``[b, nq, s, d]``, k and v ``[b, g, s, d]``, rotated."""
     s, b = qkv.shape[0], qkv.shape[1]
@@ -115,8 +151,10 @@ def _split_heads(
     q = qkv[:, :, :, :hpg].reshape(s, b, g * hpg, d)  # [s, b, nq, d]
     k = qkv[:, :, :, hpg]  # [s, b, g, d]
     v = qkv[:, :, :, hpg + 1]  # [s, b, g, d]
+    if q_norm is not None and k_norm is not None:
+        q, k = q_norm(q), k_norm(k)  # over each head's d channels
     if rotary is not None:
-        cos, sin = rotary
+        cos, sin = (t.to(q.dtype) for t in rotary)  # tables follow the compute dtype (fp32 residual stream)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
     return q, k, v

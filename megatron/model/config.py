@@ -6,6 +6,12 @@ This is the one model config: the trainer's flags map onto it one to one (field 
 multi-head attention), ``kv_channels`` = hidden / heads, ``ffn_hidden_size`` = 4 x hidden (for SwiGLU
 ``swiglu_ffn_size``), ``max_position_embeddings`` = seq length.
 
+Variants with Megatron's meaning: ``position_embedding_type`` "none" (no position information; Megatron's
+``--no-position-embedding`` without RoPE), ``rotary_percent`` (RoPE on the first fraction of each head's channels),
+``qk_layernorm`` (a norm over each query and key head), ``apply_layernorm_1p`` (norm weights stored as ``gamma - 1``),
+``squared_relu`` (``relu(x)^2`` MLP activation), ``fp32_residual_connection`` (the residual stream in fp32 under
+bf16/fp16 parameters).
+
 ``vocab_size`` = 0 means "not known yet": a run with a tokenizer and no ``--vocab-size`` learns it from the tokenizer
 before the model is built (``megatron.training_setup.resolve_vocab``); building a model needs it
 (``padded_vocab_size`` refuses 0).
@@ -19,8 +25,10 @@ from typing import Any
 
 from megatron.config.errors import ConfigError, require
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# Megatron's --attention-backend choices; attention here is always scaled_dot_product_attention (not a model field)
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 def padded_vocab_size(vocab_size: int, *, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
@@ -57,6 +65,11 @@ class GPTConfig:
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
     untie_embeddings_and_output_weights: bool = False
+    rotary_percent: float = 1.0
+    qk_layernorm: bool = False
+    apply_layernorm_1p: bool = False
+    squared_relu: bool = False
+    fp32_residual_connection: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -105,6 +118,20 @@ class GPTConfig:
             self.position_embedding_type != "rope" or self.kv_channels % 2 == 0,
             f"rotary embeddings need an even head size, got kv_channels={self.kv_channels}",
         )
+        require(
+            0.0 < self.rotary_percent <= 1.0,
+            f"--rotary-percent={self.rotary_percent} must be in (0, 1]",
+        )
+        rot = self.rotary_dim
+        require(
+            self.position_embedding_type != "rope" or (rot >= 2 and rot % 2 == 0),
+            f"--rotary-percent={self.rotary_percent} of kv_channels={self.kv_channels} gives {rot} rotary channels; "
+            "pick a percent that gives an even number >= 2",
+        )
+        require(
+            not (self.swiglu and self.squared_relu),
+            "--swiglu and --squared-relu each choose the MLP activation; pass one of them",
+        )
         for name in ("attention_dropout", "hidden_dropout"):
             p = getattr(self, name)
             require(0.0 <= p < 1.0, f"--{_flag(name)}={p} must be in [0, 1)")
@@ -125,6 +152,11 @@ class GPTConfig:
     @property
     def tied_embeddings(self) -> bool:
         return not self.untie_embeddings_and_output_weights
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (Megatron: ``int(kv_channels * rotary_percent)``)."""
+        return int(self.kv_channels * self.rotary_percent)
 
     @property
     def query_projection_size(self) -> int:

@@ -30,10 +30,14 @@ class PositionEmbedding(torch.nn.Module):
         self.weight_grad_store: WeightGradStore | None = None
         self.defer_weight_grad = False
 
-    def forward(self, seq_len: int, offset: int = 0) -> torch.Tensor:  # -> [s, 1, h] for positions offset..
-        positions = torch.arange(offset, offset + seq_len, device=self.weight.device)
-        table = deferrable_embedding(positions, self.weight, self.weight_grad_store, defer=self.defer_weight_grad)
-        return table.unsqueeze(1)
+    def forward(
+        self, seq_len: int, position_ids: torch.Tensor | None = None, offset: int = 0
+    ) -> torch.Tensor:  # -> [s, 1 or b, h]
+        store, defer = self.weight_grad_store, self.defer_weight_grad
+        if position_ids is not None:  # [b, s]: e.g. restarted after each end-of-document (--reset-position-ids)
+            return deferrable_embedding(position_ids.t(), self.weight, store, defer=defer)  # [s, b, h]
+        positions = torch.arange(offset, offset + seq_len, device=self.weight.device)  # offset: after a KV cache
+        return deferrable_embedding(positions, self.weight, store, defer=defer).unsqueeze(1)
 
 
 class GPTEmbedding(torch.nn.Module):
@@ -47,12 +51,16 @@ class GPTEmbedding(torch.nn.Module):
             else None
         )
         self.dropout = torch.nn.Dropout(config.hidden_dropout)
+        self.fp32_residual = config.fp32_residual_connection
 
-    def forward(self, tokens: torch.Tensor, offset: int = 0) -> torch.Tensor:  # tokens: [b, s] int64 at offset..
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+        # tokens (and position_ids, default offset..offset+s-1): [b, s] int64
         partial = self.word_embeddings(tokens)  # [b, s, h], this rank's vocabulary rows only
         x = reduce_from_tp(partial.transpose(0, 1), self.tp)  # [s, b, h]
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(tokens.shape[1], offset)  # + [s, 1, h]
+            x = x + self.position_embeddings(tokens.shape[1], position_ids, offset)  # + [s, 1 or b, h]
+        if self.fp32_residual:
+            x = x.float()  # the residual stream stays fp32 through the layers (--fp32-residual-connection)
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel(x, self.tp)  # [s/tp, b, h]
         return self.dropout(x)

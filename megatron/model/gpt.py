@@ -4,7 +4,11 @@ first stage and the final norm, output head and loss on the last.  One stage hol
     tokens [b, s] -> embedding -> [s, b, h] -> layers -> final norm -> output head -> logits [s, b, V/tp]
                   -> vocab-parallel cross-entropy -> per-token loss [b, s]
 
-(With sequence parallelism the hidden states between layers are ``[s/tp, b, h]``.)
+(With sequence parallelism the hidden states between layers are ``[s/tp, b, h]``; with ``--fp32-residual-connection``
+they are fp32 whatever the parameters' dtype.)  Every stage takes the microbatch's optional ``position_ids [b, s]``
+(``--reset-position-ids``: learned positions on the first stage, RoPE on every stage) and ``attention_mask
+[b, 1, s, s]`` (``--reset-attention-mask``; True = masked out): a pipeline hands them to every stage, not only the
+first.
 
 Tied embeddings: the output head uses the word-embedding table.  If the first and last stage are the same module it is
 one tensor; otherwise the last stage holds its own copy (tagged ``shared_embedding``) whose global name is the
@@ -73,7 +77,7 @@ class GPTStage(torch.nn.Module):
         self.layer_range, self.pre_process, self.post_process = layer_range, pre_process, post_process
         self.embedding = GPTEmbedding(config, tp=tp, sequence_parallel=sequence_parallel) if pre_process else None
         self.rotary = (
-            RotaryEmbedding(config.kv_channels, base=config.rotary_base)
+            RotaryEmbedding(config.kv_channels, base=config.rotary_base, rotary_dim=config.rotary_dim)
             if config.position_embedding_type == "rope"
             else None
         )
@@ -86,7 +90,11 @@ class GPTStage(torch.nn.Module):
         self.shares_embedding_in_stage = post_process and pre_process and config.tied_embeddings
         if post_process:
             self.final_layernorm = build_norm(
-                config.normalization, config.hidden_size, eps=config.norm_epsilon, sequence_parallel=sequence_parallel
+                config.normalization,
+                config.hidden_size,
+                eps=config.norm_epsilon,
+                sequence_parallel=sequence_parallel,
+                zero_centered=config.apply_layernorm_1p,
             )
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size,
@@ -118,36 +126,45 @@ class GPTStage(torch.nn.Module):
 
     # -- forward -------------------------------------------------------------------------------------------------
     def forward(
-        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, *, kv_cache: KVCache | None = None
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """``inputs``: token ids ``[b, s]`` on the first stage, else hidden states ``[s, b, h]`` (``[s/tp, b, h]``
         with sequence parallelism).  Returns hidden states, or on the last stage the logits ``[s, b, V/tp]``, or the
-        per-token loss ``[b, s]`` (fp32) when ``labels [b, s]`` are given.  ``kv_cache`` (inference, this stage's
-        own): the inputs are the tokens after the cached ones."""
+        per-token loss ``[b, s]`` (fp32) when ``labels [b, s]`` are given.  ``position_ids [b, s]`` (default
+        ``0..s-1``) and ``attention_mask [b, 1, s, s]`` (bool, True = masked out; default causal): module docstring.
+        ``kv_cache`` (inference, this stage's own): the inputs are the tokens after the cached ones."""
         if kv_cache is not None:
             return self._forward_cached(inputs, kv_cache)
         if self.pre_process:
             seq_len = inputs.shape[1]
-            x = self.embedding(inputs)  # [s, b, h]
+            x = self.embedding(inputs, position_ids)  # [s, b, h]
         else:
             x = inputs
             seq_len = x.shape[0] * (self.tp.tp_size if self.sequence_parallel else 1)
-        rotary = self.rotary(seq_len, device=x.device, dtype=x.dtype) if self.rotary is not None else None
+        rotary = None
+        if self.rotary is not None:
+            rotary = self.rotary(seq_len, device=x.device, dtype=x.dtype, position_ids=position_ids)
         for layer in self.layers:
-            x = layer(x, rotary)
+            x = layer(x, rotary) if attention_mask is None else layer(x, rotary, attention_mask)
         return self._head(x, labels)
 
     def _forward_cached(self, inputs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """Inference over the tokens at positions ``kv_cache.length ..`` (no sequence parallelism)."""
         offset = kv_cache.length
-        x = self.embedding(inputs, offset) if self.pre_process else inputs  # [s, b, h]
+        x = self.embedding(inputs, offset=offset) if self.pre_process else inputs  # [s, b, h]
         s = x.shape[0]
         rotary = None
         if self.rotary is not None:  # the table for the cache's whole length, sliced to these positions
             cos, sin = self.rotary(kv_cache.max_length, device=x.device, dtype=x.dtype)
             rotary = cos[offset : offset + s], sin[offset : offset + s]
         for layer in self.layers:
-            x = layer(x, rotary, kv_cache.layer(layer.layer_number))
+            x = layer(x, rotary, kv_cache=kv_cache.layer(layer.layer_number))
         kv_cache.advance(s)
         return self._head(x, None)
 

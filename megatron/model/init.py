@@ -6,7 +6,8 @@ shard equals the slice of the full tensor, and any tp / pp / virtual-stage layou
 name of a parameter does not depend on the stage it lives on.
 
 Rules (Megatron's): weights ~ N(0, std); the output projections of attention and MLP (row-parallel weights)
-~ N(0, std / sqrt(2 * num_layers)); biases 0; norm weights 1.  Vocabulary tables generate ``vocab_size`` real rows
+~ N(0, std / sqrt(2 * num_layers)); biases 0; norm weights 1 (0 for ``--apply-layernorm-1p``, which stores
+``gamma - 1``).  Vocabulary tables generate ``vocab_size`` real rows
 and append zero rows up to the padded size, so the real rows do not depend on the padding (which depends on tp).
 """
 
@@ -46,7 +47,8 @@ def full_initial_value(
 ) -> torch.Tensor:
     """The full fp32 initial value of parameter ``param_name`` of ``module`` (shape ``shape``, unsharded)."""
     if isinstance(module, (LayerNorm, RMSNorm)):
-        return torch.ones(shape) if param_name == "weight" else torch.zeros(shape)
+        one = param_name == "weight" and not module.zero_centered
+        return torch.ones(shape) if one else torch.zeros(shape)
     if param_name == "bias":
         return torch.zeros(shape)
     std = config.init_method_std

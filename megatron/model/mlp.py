@@ -1,4 +1,5 @@
-"""The feed-forward block: ``fc2(act(fc1(x)))`` with GeLU, or SwiGLU ``fc2(silu(gate(x)) * up(x))``.
+"""The feed-forward block: ``fc2(act(fc1(x)))`` with GeLU (or ``relu(x)^2``, ``--squared-relu``), or SwiGLU
+``fc2(silu(gate(x)) * up(x))``.
 
 For SwiGLU, ``linear_fc1`` is one fused projection whose full output is ``[gate (ffn) ; up (ffn)]``; it is split
 with partition stride 2 so each tensor-parallel rank holds the matching rows of both halves.
@@ -22,7 +23,7 @@ from megatron.parallel.tensor_parallel import ColumnParallelLinear, HasTensorPar
 class MLP(torch.nn.Module):
     def __init__(self, config: GPTConfig, *, tp: HasTensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.swiglu = config.swiglu
+        self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         ffn, bias = config.ffn_hidden_size, config.add_bias_linear
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -48,6 +49,8 @@ class MLP(torch.nn.Module):
         if self.swiglu:
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up  # [s, b, ffn/tp]
+        elif self.squared_relu:
+            y = torch.pow(F.relu(y), 2)
         else:
             y = F.gelu(y)
         return self.linear_fc2(y)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)

@@ -1,4 +1,7 @@
-"""One pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with dropout on each branch."""
+"""One pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, with dropout on each branch.
+
+With ``--fp32-residual-connection`` ``x`` is fp32 while the parameters are bf16/fp16: the norms return the
+parameters' dtype and each branch's output is added to the fp32 stream (type promotion keeps it fp32)."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ class TransformerLayer(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.layer_number = layer_number  # global, 0-based
-        norm = dict(eps=config.norm_epsilon, sequence_parallel=sequence_parallel)
+        norm = dict(
+            eps=config.norm_epsilon, sequence_parallel=sequence_parallel, zero_centered=config.apply_layernorm_1p
+        )
         self.input_layernorm = build_norm(config.normalization, config.hidden_size, **norm)
         self.self_attention = SelfAttention(config, tp=tp, sequence_parallel=sequence_parallel)
         self.pre_mlp_layernorm = build_norm(config.normalization, config.hidden_size, **norm)
@@ -29,9 +34,11 @@ class TransformerLayer(torch.nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
         kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism); same shape out
         # kv_cache (inference only): the new tokens attend to the cached ones too
-        x = x + self.dropout(self.self_attention(self.input_layernorm(x), rotary, kv_cache))
+        attention = self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache=kv_cache)
+        x = x + self.dropout(attention)
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))

@@ -7,6 +7,7 @@ Build once per run, call once per iteration (``megatron.pipeline.trainer_hooks``
     model = pipe.model                      # nn.ModuleList of this rank's stages: reducer and optimizer take it
     ...
     total = pipe.forward_backward(batches)  # batches[k]: {"tokens", "labels", "loss_mask"} of microbatch k
+                                            # (+ "position_ids", "document_ids": read by every stage)
 
 ``GPTPipeline`` is the GPT side of ``zb_pipeline.runtime.PipelineRuntime``: it builds the stage modules, gives the
 runtime a loss over each microbatch's batch, and passes the batches to ``runtime.run`` as an argument.  Each
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from megatron.config.errors import ConfigError
+from megatron.data.document_masks import model_inputs
 from megatron.model.config import GPTConfig
 from megatron.model.gpt import WORD_EMBEDDING, GPTStage, build_gpt_stages
 from megatron.parallel.context import ParallelContext
@@ -101,9 +103,10 @@ class _GPTForward:
     last_stage: int
 
     def __call__(self, module: torch.nn.Module, x: torch.Tensor, stage: int, batch: Mapping[str, Any]) -> Any:
+        extra = model_inputs(batch)  # position ids / attention mask: every stage needs the same ones
         if stage == self.last_stage:
-            return module(x, labels=batch["labels"])  # per-token loss [b, s]
-        return module(x)
+            return module(x, labels=batch["labels"], **extra)  # per-token loss [b, s]
+        return module(x, **extra)
 
 
 @dataclass
@@ -154,7 +157,8 @@ class GPTPipeline:
         """Run the plan over this data-parallel rank's ``m`` microbatches; gradients land in ``main_grad``/``grad``.
 
         ``batches[k]`` needs ``tokens`` on the first stage's rank and ``labels``/``loss_mask`` on the last's (other
-        ranks may pass anything of length ``m``).  Returns the float64 sum of the microbatch losses on every rank.
+        ranks may pass anything of length ``m``); ``position_ids``/``document_ids``, when used, on every rank.
+        Returns the float64 sum of the microbatch losses on every rank.
         """
         self.loss.num_microbatches = len(batches)
         losses = self.runtime.run(batches, iteration=iteration)
@@ -267,7 +271,8 @@ def build_gpt_pipeline(
     )
     stages = {s: mod.to(device=ctx.device, dtype=dtype) for s, mod in zip(mine, modules)}
     seq = model_config.seq_length // (ctx.tp_size if sequence_parallel else 1)
-    specs = [TensorSpec((seq, micro_batch_size, model_config.hidden_size), dtype)] * (S - 1)
+    boundary_dtype = torch.float32 if model_config.fp32_residual_connection else dtype  # the residual stream's
+    specs = [TensorSpec((seq, micro_batch_size, model_config.hidden_size), boundary_dtype)] * (S - 1)
     tracer = Tracer(ctx.rank) if schedule_config.trace_path else None
     p2p = PipelineP2P(
         pp_rank=rank,

@@ -89,7 +89,8 @@ def attach_reducer(pipe: GPTPipeline, reducer: DataParallelReducer) -> None:
 def _batches(tr: Trainer, dataset: Any, base: int) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's m microbatches starting at global sample ``base`` (only where a stage reads them)."""
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
-    if not (pipe.holds_first_stage or pipe.holds_last_stage):
+    # position ids / attention masks (--reset-position-ids, --reset-attention-mask) are read by every stage
+    if not (pipe.holds_first_stage or pipe.holds_last_stage or run.documents.every_stage):
         return [{} for _ in range(run.num_microbatches)]
     return [
         load_microbatch(dataset, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device)
@@ -110,7 +111,7 @@ def pipeline_forward_backward(tr: Trainer) -> float:
     tr.reducer.prepare_microbatch(is_last=False)  # readiness comes from the plan, not from counting
     total = pipe.forward_backward(batches, iteration=tr.iteration)  # sums the tied copies before their buckets go
     tr.reducer.finish()
-    if run.parallel.sequence_parallel:
+    if run.parallel.sequence_parallel or run.model.qk_layernorm:  # grads that are partial sums over tp
         allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
     return mean_over_dp(total, run.num_microbatches, ctx)
 
