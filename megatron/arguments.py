@@ -76,7 +76,9 @@ class RunConfig:
     def batches(self) -> BatchSizeSchedule:
         if self.batch_schedule is not None:
             return self.batch_schedule
-        return BatchSizeSchedule(final=self.global_batch_size, per_microbatch=self.training.micro_batch_size * self.dp_size)
+        return BatchSizeSchedule(
+            final=self.global_batch_size, per_microbatch=self.training.micro_batch_size * self.dp_size
+        )
 
     def lr_increment(self, iteration: int) -> int:
         """How far the LR schedule advances for the step of 1-based ``iteration``: its global batch size when the
@@ -197,13 +199,28 @@ def _check_run_length_flags(v: dict[str, Any]) -> None:
         iters is None or samples is None,
         "--train-iters and --train-samples are alternatives (iterations or samples); pass one",
     )
-    require(iters is not None or samples is not None, "--train-iters or --train-samples is required (how long to train)")
+    require(
+        iters is not None or samples is not None, "--train-iters or --train-samples is required (how long to train)"
+    )
     if samples is not None:
-        for flag, bad in (("--lr-decay-iters", v["lr_decay_iters"] is not None), ("--lr-warmup-iters", v["lr_warmup_iters"])):
-            require(not bad, f"{flag} counts iterations but --train-samples counts samples; use {flag.replace('iters', 'samples')}")
+        for flag, bad in (
+            ("--lr-decay-iters", v["lr_decay_iters"] is not None),
+            ("--lr-warmup-iters", v["lr_warmup_iters"]),
+        ):
+            require(
+                not bad,
+                f"{flag} counts iterations but --train-samples counts samples; use {flag.replace('iters', 'samples')}",
+            )
     else:
-        for flag, bad in (("--lr-decay-samples", v["lr_decay_samples"] is not None), ("--lr-warmup-samples", v["lr_warmup_samples"])):
-            require(not bad, f"{flag} counts samples but --train-iters counts iterations; use {flag.replace('samples', 'iters')} or --train-samples")
+        for flag, bad in (
+            ("--lr-decay-samples", v["lr_decay_samples"] is not None),
+            ("--lr-warmup-samples", v["lr_warmup_samples"]),
+        ):
+            require(
+                not bad,
+                f"{flag} counts samples but --train-iters counts iterations; "
+                f"use {flag.replace('samples', 'iters')} or --train-samples",
+            )
 
 
 def _batch_schedule(v: dict[str, Any], dp: int, final: int) -> tuple[BatchSizeSchedule | None, int]:
@@ -346,7 +363,9 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     require(v["mock_data"] or bool(v["data_path"]) or bool(v["train_data_path"]), NO_DATA_MESSAGE)
     warnings: list[str] = []
     if v["use_checkpoint_args"]:
-        require(v["load"] is not None, "--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)")
+        require(
+            v["load"] is not None, "--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)"
+        )
         warnings += apply_checkpoint_args(v, v["load"])
     parallel = _parallel_config(v)
     dp = parallel.data_parallel_size(world_size)
@@ -385,7 +404,9 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
                 "--rampup-batch-size changes the microbatch count; a --schedule-file plan has one count: drop one",
             )
             for m in batch_schedule.microbatch_counts():
-                pipeline.build_schedule(pp=parallel.pp_size, num_microbatches=m, num_layers=model.num_layers, source=layout.plans)
+                pipeline.build_schedule(
+                    pp=parallel.pp_size, num_microbatches=m, num_layers=model.num_layers, source=layout.plans
+                )
     return RunConfig(
         model=model,
         parallel=parallel,

@@ -59,16 +59,16 @@ class BatchSizeSchedule:
         return tuple(seen)
 
 
-def ramp_up_sizes(
-    start: int, increment: int, ramp_samples: int, *, final: int, per_microbatch: int
-) -> tuple[int, ...]:
+def ramp_up_sizes(start: int, increment: int, ramp_samples: int, *, final: int, per_microbatch: int) -> tuple[int, ...]:
     """The global batch sizes of the ramp-up iterations (Megatron's ``RampupBatchsizeNumMicroBatches`` stepped
     while at most ``ramp_samples`` samples are consumed); ``ConfigError`` on bad values."""
     flag = f"--rampup-batch-size {start} {increment} {ramp_samples}"
     require(start >= 1 and increment >= 1 and ramp_samples >= 0, f"{flag}: all three values must be positive")
     require(start <= final, f"{flag}: the start size must be <= --global-batch-size={final}")
     diff = final - start
-    require(diff % increment == 0, f"{flag}: --global-batch-size={final} minus {start} must be a multiple of {increment}")
+    require(
+        diff % increment == 0, f"{flag}: --global-batch-size={final} minus {start} must be a multiple of {increment}"
+    )
     sizes: list[int] = []
     if diff == 0:
         return ()

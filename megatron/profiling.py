@@ -57,7 +57,9 @@ class ProfileWindow:
             prof.__exit__(None, None, None)
             c = self.config
             os.makedirs(c.trace_dir, exist_ok=True)
-            self.trace_path = os.path.join(c.trace_dir, f"rank{self.rank}_iters{c.step_start}-{c.step_end}.pt.trace.json")
+            self.trace_path = os.path.join(
+                c.trace_dir, f"rank{self.rank}_iters{c.step_start}-{c.step_end}.pt.trace.json"
+            )
             prof.export_chrome_trace(self.trace_path)
             print(f"rank {self.rank}: wrote the torch.profiler trace {self.trace_path}", flush=True)
         if self._cuda_range:

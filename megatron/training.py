@@ -36,13 +36,13 @@ from megatron.evaluation import evaluate
 from megatron.garbage_collection import ManualGC
 from megatron.parallel.context import ParallelContext
 from megatron.pipeline.post_validated_step import SettledStep
-from megatron.profiling import ProfileWindow
 from megatron.pipeline.trainer_hooks import (
     attach_replanner,
     context_layout,
     pipeline_summary,
     write_pipeline_trace,
 )
+from megatron.profiling import ProfileWindow
 from megatron.signal_handler import ExitSignalHandler
 from megatron.trainer_state import Trainer
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
@@ -114,9 +114,7 @@ def _pretrain(
     window = ProfileWindow(run.profiling, rank=ctx.rank, log=logger.print)
     try:
         with signals:
-            summary = _train_loop(
-                tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time
-            )
+            summary = _train_loop(tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time)
     finally:
         window.stop()
         if collector is not None:
@@ -372,7 +370,9 @@ def _save_or_exit(
         if ckpt.save and saved_at != it:
             _save(tr, logger)
             saved_at = it
-        logger.print(f"exiting program after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins), at iteration {it}")
+        logger.print(
+            f"exiting program after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins), at iteration {it}"
+        )
         return saved_at, True
     if t.exit_interval is not None and it % t.exit_interval == 0:
         if ckpt.save and saved_at != it:

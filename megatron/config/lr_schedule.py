@@ -49,9 +49,7 @@ class LRScheduleConfig:
         require(self.warmup_samples >= 0, f"--lr-warmup-samples={self.warmup_samples} must be >= 0")
         require(0 <= self.warmup_init <= self.lr, f"--lr-warmup-init={self.warmup_init} must be in [0, --lr]")
         if self.warmup_fraction is not None:
-            require(
-                0 <= self.warmup_fraction < 1, f"--lr-warmup-fraction={self.warmup_fraction} must be in [0, 1)"
-            )
+            require(0 <= self.warmup_fraction < 1, f"--lr-warmup-fraction={self.warmup_fraction} must be in [0, 1)")
             other = "--lr-warmup-samples" if self.sample_based else "--lr-warmup-iters"
             count = self.warmup_samples if self.sample_based else self.warmup_iters
             require(count == 0, f"--lr-warmup-fraction and {other} are alternatives; pass one")

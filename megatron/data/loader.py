@@ -101,5 +101,7 @@ def train_microbatches(tr: Any) -> list[dict[str, torch.Tensor]]:
     """The microbatches of the trainer's next iteration (its ``MicrobatchLoader`` is built on first use, after any
     ``--load`` has set the iteration)."""
     if tr.train_loader is None:
-        tr.train_loader = MicrobatchLoader(tr.run, tr.train_data, dp_rank=tr.ctx.dp_rank, device=tr.ctx.device, start=tr.iteration)
+        tr.train_loader = MicrobatchLoader(
+            tr.run, tr.train_data, dp_rank=tr.ctx.dp_rank, device=tr.ctx.device, start=tr.iteration
+        )
     return tr.train_loader.batches(tr.iteration)

@@ -18,7 +18,7 @@ The reference fork's flags, so its users' scripts run unchanged:
                                                  (default 85) of device memory; resolved by the profiler at run time
                                                  (``mem_limit_auto``), no limit until then
     --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window: at its end zb-auto, zb-h2, zb-v,
-                                                 v-half, v-min and interleaved-zb are re-planned from the measured costs;
+                                                 v-half, v-min and interleaved-zb are re-planned from measured costs;
                                                  with --enable-zero-bubble / --zero-bubble-v-schedule the fork's
                                                  default window, iterations 100 to 110, applies when they are absent
     --enable-exactly-numeric-match            accepted: our runtime is exact by construction (each stage's weight
