@@ -15,7 +15,8 @@ class CheckpointConfig:
     ``no_load_rng``: keep this run's seeded RNG streams; ``no_save_optim`` / ``no_save_rng``: checkpoints without
     the optimizer state / RNG states (a resume then starts the optimizer fresh / keeps the seeded streams);
     ``use_checkpoint_args``: the model flags come from ``--load``'s checkpoint (``megatron.checkpoint_args``);
-    ``finetune``: load the model weights only and start at iteration 0 (implies both). ``exit_signal_handler``: on SIGTERM, save at the end of the current iteration, exit.
+    ``finetune``: load the model weights only and start at iteration 0 (implies both).
+    ``exit_signal_handler``: on SIGTERM, save at the end of the current iteration, exit.
     """
 
     save: str | None = None
