@@ -3,11 +3,9 @@
 import io
 import re
 
-import pytest
 import torch
 
 from megatron.arguments import parse_run_config
-from megatron.config.errors import ConfigError
 from megatron.microbatches import microbatch_indices
 from megatron.training import pretrain
 from megatron.training_log import IterationStats, format_iteration_line, model_flops_per_iteration
