@@ -317,7 +317,6 @@ def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, Checkp
         data_cache_path=v["data_cache_path"],
         train_data_path=tuple(v["train_data_path"] or ()),
         valid_data_path=tuple(v["valid_data_path"] or ()),
-        test_data_path=tuple(v["test_data_path"] or ()),
         dataloader_type=v["dataloader_type"],
     )
     checkpoint = CheckpointConfig(

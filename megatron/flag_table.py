@@ -63,6 +63,7 @@ KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--empty-unused-memory-level": (True, "the caching allocator is not emptied between iterations"),
     "--num-dataset-builder-threads": (True, "dataset indices are built by one process and cached"),
     "--no-mmap-bin-files": (False, "indexed datasets are always memory-mapped (same tokens)"),
+    "--test-data-path": (True, "no test-split evaluation runs here (the test split is never read)"),
 }
 
 
@@ -464,7 +465,6 @@ def _compat_io_flags(t: FlagTable) -> None:
     g = t.parser.add_argument_group("data paths per split, data loader (Megatron's meanings)")
     t.add(g, "--train-data-path", nargs="*", default=None, help="training blend, used whole (instead of --data-path)")
     t.add(g, "--valid-data-path", nargs="*", default=None, help="validation blend, used whole")
-    t.add(g, "--test-data-path", nargs="*", default=None, help="test blend, used whole")
     t.add(g, "--data-cache-path", default=None, help="directory of the dataset index caches (default: next to data)")
     t.add(g, "--dataloader-type", default="single", choices=("single", "cyclic"), help="sample order")
     g = t.parser.add_argument_group("checkpoint contents")

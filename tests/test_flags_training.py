@@ -87,8 +87,10 @@ def test_sample_based_lr_schedule_warmup_samples_decay_samples_and_init() -> Non
 
 
 def test_lr_warmup_fraction_of_the_decay_span_iterations_and_samples() -> None:
-    it = parse_run_config([*TINY, "--train-iters", "20", "--lr", "1.0", "--lr-warmup-fraction", "0.25"])
-    assert _rates(it, 6)[:6] == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])  # 0.25 x 20 = 5 iterations
+    argv = [*TINY, "--train-iters", "40", "--lr-decay-iters", "20", "--lr", "1.0", "--lr-warmup-fraction", "0.25"]
+    it = parse_run_config(argv)
+    assert _rates(it, 6)[:6] == pytest.approx([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])  # 0.25 x --lr-decay-iters 20 = 5
+    assert _rates(it, 21)[20] == 0.0  # decayed to --min-lr 0 at --lr-decay-iters, not at --train-iters
     sa = parse_run_config(
         [*TINY, "--global-batch-size", "4", "--train-samples", "80", "--lr", "1.0", "--lr-warmup-fraction", "0.25"]
     )

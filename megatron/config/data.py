@@ -17,8 +17,9 @@ MOCK_DATA_VOCAB_SIZE = 1024  # the vocabulary of --mock-data without --vocab-siz
 class DataConfig:
     """``data_path`` follows Megatron: ``["prefix"]`` or ``["w1", "prefix1", "w2", "prefix2", ...]`` (blending).
 
-    ``train_data_path`` / ``valid_data_path`` / ``test_data_path`` (Megatron's per-split paths) give each split its
-    own blend, used whole (``--split`` does not apply to them); they replace ``data_path``.  ``data_cache_path``:
+    ``train_data_path`` / ``valid_data_path`` (Megatron's per-split paths) give each split its own blend, used
+    whole (``--split`` does not apply to them); they replace ``data_path``.  (``--test-data-path`` is accepted with
+    a warning: no test-split evaluation runs here.)  ``data_cache_path``:
     where the index caches go (default: ``cache/`` next to the data).  ``dataloader_type``: ``single`` reads the
     samples in order, ``cyclic`` reads each pass over the training set in a seeded random order.  ``num_workers``:
     worker processes of the training set's ``torch.utils.data.DataLoader`` (0: loaded in the training process).
@@ -37,18 +38,17 @@ class DataConfig:
     data_cache_path: str | None = None
     train_data_path: tuple[str, ...] = ()
     valid_data_path: tuple[str, ...] = ()
-    test_data_path: tuple[str, ...] = ()
     dataloader_type: str = "single"
 
     def __post_init__(self) -> None:
         require(self.mock_data or len(self.data_path) > 0 or len(self.train_data_path) > 0, NO_DATA_MESSAGE)
         require(
-            not (self.data_path and (self.train_data_path or self.valid_data_path or self.test_data_path)),
-            "--data-path and --train/valid/test-data-path are alternatives; pass one or the other",
+            not (self.data_path and (self.train_data_path or self.valid_data_path)),
+            "--data-path and --train/valid-data-path are alternatives; pass one or the other",
         )
         require(
-            not (self.valid_data_path or self.test_data_path) or bool(self.train_data_path),
-            "--valid-data-path / --test-data-path need --train-data-path (or use --data-path with --split)",
+            not self.valid_data_path or bool(self.train_data_path),
+            "--valid-data-path needs --train-data-path (or use --data-path with --split)",
         )
         require(
             self.dataloader_type in DATALOADER_TYPES,
