@@ -174,6 +174,20 @@ def test_no_save_optim_and_no_save_rng_leave_them_out(tmp_path) -> None:
     assert "has no optimizer state" in text
 
 
+def test_no_load_optim_no_load_rng_and_finetune_change_the_resume(tmp_path) -> None:
+    dropout = [*TINY, "--hidden-dropout", "0.1"]  # the last value wins
+    _run([*dropout, "--train-iters", "2", "--save", str(tmp_path), "--save-interval", "2"])
+    resume = [*dropout, "--train-iters", "4", "--load", str(tmp_path)]
+    full, _ = _run(resume)
+    no_optim, _ = _run([*resume, "--no-load-optim"])
+    no_rng, _ = _run([*resume, "--no-load-rng"])
+    finetune, _ = _run([*resume, "--finetune"])
+    assert len(full.losses) == 2 and full.iterations == 4
+    assert no_optim.losses[0] == full.losses[0] and no_optim.losses[1] != full.losses[1]  # fresh Adam moments
+    assert no_rng.losses[0] != full.losses[0]  # other dropout masks: the seeded streams, not the saved ones
+    assert finetune.iterations == 4 and len(finetune.losses) == 4  # weights only, from iteration 0
+
+
 def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path) -> None:
     _run([*TINY, "--train-iters", "1", "--save", str(tmp_path), "--save-interval", "1"])
     other = [a if a != "32" else "64" for a in TINY]  # --hidden-size 64 on the command line
