@@ -29,6 +29,11 @@ class ProfileWindow:
         self._prof: Any = None
         self._cuda_range = False
         self.trace_path: str | None = None
+        if self.active and not config.use_pytorch_profiler and not torch.cuda.is_available():
+            log(
+                "notice: --profile without --use-pytorch-profiler marks a CUDA profiler range for nsys; there is "
+                "nothing to record without CUDA (add --use-pytorch-profiler for a torch.profiler trace)"
+            )
 
     def before_iteration(self, completed: int) -> None:
         if not self.active or completed != self.config.step_start:
