@@ -117,6 +117,8 @@ def _pretrain(
             summary = _train_loop(tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time)
     finally:
         window.stop()
+        if tr.train_loader is not None:  # --num-workers: its worker processes end with the loop
+            tr.train_loader.close()
         if collector is not None:
             collector.stop()
     write_pipeline_trace(tr, logger.print)

@@ -82,6 +82,10 @@ class MicrobatchLoader:
             )
             self._iter = iter(loader)
 
+    def close(self) -> None:
+        """Stop the worker processes (dropping the DataLoader iterator shuts them down)."""
+        self._iter = None
+
     def batches(self, iteration: int) -> list[dict[str, torch.Tensor]]:
         """The ``m`` microbatches of ``iteration`` (0-based), on the device; iterations are read in order."""
         if iteration != self.next_iteration:  # the trainer moved (a test, a reload): read from there on
