@@ -69,3 +69,23 @@ def test_rampup_zb_v_replanned_inside_the_ramp_pp2_equals_pp1() -> None:
                 "--zero-bubble-pipeline-timers-end-iter", "3"])  # fmt: skip
     assert "replanned zb-v" in got["log"]
     assert got["losses"] == ref["losses"]
+
+
+ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h2", "zb-auto", "v-half", "v-min", "interleaved-zb")
+
+
+@pytest.mark.slow  # one pair of processes per schedule
+@pytest.mark.parametrize("schedule", ALL_SCHEDULES)
+def test_rampup_every_schedule_pp2_equals_pp1(schedule: str) -> None:
+    assert _pp2(["--pipeline-schedule", schedule])["losses"] == _reference()["losses"]
+
+
+def test_rampup_below_what_a_schedule_serves_is_one_line_at_start_up() -> None:
+    from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
+
+    # dualpipev needs m >= 2p: the ramp's first iterations (1 microbatch) cannot run it
+    with pytest.raises(ConfigError, match="dualpipev"):
+        parse_run_config(
+            [*ARGV, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"], world_size=2
+        )
