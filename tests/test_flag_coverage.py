@@ -12,6 +12,7 @@ config (the model sizes, tokenizer files, loss-scale settings, ...): it fails if
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -84,13 +85,17 @@ def doc_rows() -> dict[str, str]:
     return rows
 
 
-def _test_exists(ref: str) -> bool:
-    path, name = ref.split("::")
+@functools.cache
+def _test_names(path: str) -> frozenset[str]:
     file = ROOT / path
     if not file.is_file():
-        return False
-    tree = ast.parse(file.read_text())
-    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+        return frozenset()
+    return frozenset(n.name for n in ast.parse(file.read_text()).body if isinstance(n, ast.FunctionDef))
+
+
+def _test_exists(ref: str) -> bool:
+    path, name = ref.split("::")
+    return name in _test_names(path)
 
 
 def _field_of(dest: str, reader_text: str) -> str:
