@@ -1,10 +1,12 @@
 """Optional per-iteration measurements: ``--log-num-zeros-in-grad`` and ``--log-memory-to-tensorboard``.
 
-``num_zeros_in_grad``: zero entries of the gradients the optimizer steps with (``main_grad``), counted over the
-gradients each rank owns in the global grad norm (``megatron.optimizer.grad_norm.owns_grad``) and summed over the
-tensor- and pipeline-parallel ranks -- Megatron's "num zeros" field.  ``memory_stats``: the CUDA caching allocator's
-allocated and reserved bytes (Megatron's ``mem-allocated-bytes`` / ``mem-reserved-bytes``); on CPU the process's
-peak resident set size.
+``num_zeros_in_grad``: zero entries of the gradients the optimizer steps with (``main_grad``), counted exactly as
+the global grad norm counts them -- this rank's optimizer shards that it owns (``MainShard.owned``: a replicated
+parameter once per tensor-parallel group, the tied output copy never; with the distributed optimizer each
+data-parallel rank its own piece), summed over the same groups -- Megatron's "num zeros" field.
+
+``memory_stats``: the CUDA caching allocator's allocated and reserved bytes (Megatron's ``mem-allocated-bytes`` /
+``mem-reserved-bytes``); on CPU the process's peak resident set size.
 """
 
 from __future__ import annotations
@@ -15,19 +17,16 @@ from typing import Any
 
 import torch
 
-from megatron.optimizer.grad_norm import grad_of, owns_grad
 from zb_pipeline import comm
 
 
 def num_zeros_in_grad(tr: Any) -> int:
-    """Zero gradient entries of one model replica (collective over its tensor- and pipeline-parallel ranks)."""
-    local = 0
-    for p in tr.optimizer.params:
-        g = grad_of(p)
-        if g is not None and owns_grad(p, tp_rank=tr.ctx.tp_rank):
-            local += int((g == 0).sum())
-    if tr.ctx.mp_group is not None:
-        local = int(comm.all_reduce_values([local], group=tr.ctx.mp_group, dtype=torch.int64)[0])
+    """Zero gradient entries of the whole model (collective over the optimizer's stage and pipeline groups)."""
+    opt = tr.optimizer
+    local = sum(int((s.grad == 0).sum()) for s in opt.shards if s.owned)
+    for group in (opt.stage_group, opt.pp_group):
+        if group is not None:
+            local = int(comm.all_reduce_values([local], group=group, dtype=torch.int64)[0])
     return local
 
 

@@ -319,10 +319,13 @@ class _Sink:
 def test_tensorboard_log_interval_zeros_and_memory() -> None:
     sink = _Sink()
     argv = [*TINY, "--train-iters", "4", "--tensorboard-log-interval", "2", "--log-num-zeros-in-grad",
-            "--log-memory-to-tensorboard"]  # fmt: skip
+            "--log-memory-to-tensorboard", "--untie-embeddings-and-output-weights"]  # fmt: skip
     _, text = _run(argv, scalar_sink=sink)
     assert sorted({step for name, _, step in sink.calls if name == "lm loss"}) == [2, 4]
     assert {"num-zeros", "batch-size", "learning-rate"} <= {name for name, _, _ in sink.calls}
+    # untied: the input-embedding rows of the 96-token vocabulary that a batch of 2 x 16 tokens misses get no
+    # gradient, so at least (96 - 32) rows x 32 hidden entries are zero
+    assert all(v >= (96 - 32) * 32 for name, v, _ in sink.calls if name == "num-zeros")
     lines = [line for line in text.splitlines() if "global batch size:" in line]
     assert all(" num zeros: " in line and (" mem-max-rss-bytes: " in line or "mem-allocated" in line) for line in lines)
     plain = _Sink()
@@ -336,3 +339,23 @@ def test_warned_flags_print_one_line_each(capsys) -> None:
     run = parse_run_config(argv)
     warnings = run.ignored_flag_warnings()
     assert [w.split()[1] for w in warnings] == ["--DDP-impl", "--no-barrier-with-level-1-timing", "--timing-log-level"]
+
+
+def _zeros(rank: int, world_size: int, argv: list[str]) -> list[float]:
+    torch.set_num_threads(1)
+    sink = _Sink()
+    pretrain(parse_run_config(argv, world_size=world_size), stream=io.StringIO(), scalar_sink=sink)
+    return [v for name, v, _ in sink.calls if name == "num-zeros"]
+
+
+@pytest.mark.slow  # three pairs of processes
+def test_num_zeros_counts_the_whole_model_once_at_any_layout() -> None:
+    argv = [*TINY, "--train-iters", "2", "--global-batch-size", "4", "--log-num-zeros-in-grad",
+            "--untie-embeddings-and-output-weights"]  # fmt: skip
+    one = _zeros(0, 1, argv)
+    assert one and all(v > 0 for v in one)
+    for extra in ([], ["--use-distributed-optimizer"], ["--pipeline-model-parallel-size", "2"]):
+        got = run_multiprocess(_zeros, 2, args=([*argv, *extra],), timeout_s=240)[0]
+        # iteration 1 starts from identical weights: the same gradient, the same zeros (later iterations' weights
+        # differ in the last bits between layouts, and so may an exact zero)
+        assert got[0] == one[0], extra
