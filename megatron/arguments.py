@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron.batch_schedule import BatchSizeSchedule, iterations_for_samples, ramp_up_sizes
+from megatron.checkpoint_args import apply_checkpoint_args
 from megatron.config.checkpoint import CheckpointConfig
 from megatron.config.data import MOCK_DATA_VOCAB_SIZE, NO_DATA_MESSAGE, DataConfig
 from megatron.config.documents import DocumentMaskConfig
@@ -31,6 +33,7 @@ from megatron.config.optimizer import OptimizerConfig
 from megatron.config.overrides import override_warnings
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
+from megatron.config.profiling import ProfilingConfig
 from megatron.config.training import TrainingConfig
 from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
@@ -64,6 +67,29 @@ class RunConfig:
     kernels: KernelSelection = field(default_factory=KernelSelection)  # torch or Triton, per fused op
     documents: DocumentMaskConfig = field(default_factory=DocumentMaskConfig)  # EOD loss mask / position / attention
     model_flag_notes: tuple[str, ...] = ()  # one warning line each: model/data-variant flags that cannot apply here
+    batch_schedule: BatchSizeSchedule | None = None  # per-iteration global batch size (None: constant)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    warnings: tuple[str, ...] = ()  # one line each, printed by rank 0 at start-up
+
+    def global_batch_size_at(self, iteration: int) -> int:
+        """Global batch size of the iteration after ``iteration`` completed ones (ramp-up aware)."""
+        return self.batches.global_batch_size(iteration)
+
+    def num_microbatches_at(self, iteration: int) -> int:
+        return self.batches.num_microbatches(iteration)
+
+    @property
+    def batches(self) -> BatchSizeSchedule:
+        if self.batch_schedule is not None:
+            return self.batch_schedule
+        return BatchSizeSchedule(
+            final=self.global_batch_size, per_microbatch=self.training.micro_batch_size * self.dp_size
+        )
+
+    def lr_increment(self, iteration: int) -> int:
+        """How far the LR schedule advances for the step of 1-based ``iteration``: its global batch size when the
+        schedule counts samples, else one."""
+        return self.global_batch_size_at(iteration - 1) if self.lr_schedule.sample_based else 1
 
     @property
     def padded_vocab_size(self) -> int:
@@ -75,7 +101,8 @@ class RunConfig:
 
     def ignored_flag_warnings(self) -> list[str]:
         lines = [f"warning: {f} is ignored here ({KNOWN_IGNORED_FLAGS[f][1]})" for f in self.ignored_flags]
-        return lines + list(self.overridden_flags) + [f"warning: {note}" for note in self.model_flag_notes]
+        notes = [f"warning: {note}" for note in self.model_flag_notes]
+        return lines + list(self.overridden_flags) + list(self.warnings) + notes
 
 
 def _coerce_model_value(table: FlagTable, dest: str, value: Any, source: str) -> Any:
@@ -191,11 +218,12 @@ def _parallel_config(v: dict[str, Any]) -> ParallelConfig:
     )
 
 
-def _training_config(v: dict[str, Any]) -> TrainingConfig:
+def _training_config(v: dict[str, Any], train_iters: int) -> TrainingConfig:
+    ramp = v["rampup_batch_size"]
     return TrainingConfig(
         micro_batch_size=v["micro_batch_size"],
         global_batch_size=v["global_batch_size"],
-        train_iters=v["train_iters"],
+        train_iters=train_iters,
         eval_interval=v["eval_interval"],
         eval_iters=v["eval_iters"],
         exit_interval=v["exit_interval"],
@@ -203,17 +231,99 @@ def _training_config(v: dict[str, Any]) -> TrainingConfig:
         manual_gc=v["manual_gc"],
         manual_gc_interval=v["manual_gc_interval"],
         manual_gc_eval=v["manual_gc_eval"],
+        train_samples=v["train_samples"],
+        rampup_batch_size=tuple(ramp) if ramp is not None else None,
+        exit_duration_in_mins=v["exit_duration_in_mins"],
     )
 
 
-def _optimizer_configs(v: dict[str, Any]) -> tuple[LRScheduleConfig, OptimizerConfig, PrecisionConfig]:
-    lr_schedule = LRScheduleConfig(
+def _check_run_length_flags(v: dict[str, Any]) -> None:
+    """Megatron's rule: iteration-based (``--train-iters``) or sample-based (``--train-samples``), never mixed."""
+    iters, samples = v["train_iters"], v["train_samples"]
+    require(
+        iters is None or samples is None,
+        "--train-iters and --train-samples are alternatives (iterations or samples); pass one",
+    )
+    require(
+        iters is not None or samples is not None, "--train-iters or --train-samples is required (how long to train)"
+    )
+    if samples is not None:
+        for flag, bad in (
+            ("--lr-decay-iters", v["lr_decay_iters"] is not None),
+            ("--lr-warmup-iters", v["lr_warmup_iters"]),
+        ):
+            require(
+                not bad,
+                f"{flag} counts iterations but --train-samples counts samples; use {flag.replace('iters', 'samples')}",
+            )
+    else:
+        for flag, bad in (
+            ("--lr-decay-samples", v["lr_decay_samples"] is not None),
+            ("--lr-warmup-samples", v["lr_warmup_samples"]),
+        ):
+            require(
+                not bad,
+                f"{flag} counts samples but --train-iters counts iterations; "
+                f"use {flag.replace('samples', 'iters')} or --train-samples",
+            )
+
+
+def _batch_schedule(v: dict[str, Any], dp: int, final: int) -> tuple[BatchSizeSchedule | None, int]:
+    """The ramp-up (None without ``--rampup-batch-size``) and the number of iterations of the run."""
+    per_microbatch = v["micro_batch_size"] * dp
+    schedule = None
+    if v["rampup_batch_size"] is not None:
+        start, incr, samples = v["rampup_batch_size"]
+        ramp = ramp_up_sizes(start, incr, samples, final=final, per_microbatch=per_microbatch)
+        schedule = BatchSizeSchedule(final=final, per_microbatch=per_microbatch, ramp=ramp)
+    if v["train_iters"] is not None:
+        return schedule, v["train_iters"]
+    counting = schedule or BatchSizeSchedule(final=final, per_microbatch=per_microbatch)
+    iters = iterations_for_samples(counting, v["train_samples"])
+    require(
+        iters >= 1,
+        f"--train-samples={v['train_samples']} is less than one global batch ({counting.global_batch_size(0)})",
+    )
+    return schedule, iters
+
+
+def _lr_schedule_config(v: dict[str, Any], *, ramped: bool, global_batch_size: int) -> LRScheduleConfig:
+    """Iteration-based, or sample-based with --train-samples.  A ramp-up with --train-iters (as Megatron's GPT-3
+    example passes it) counts samples too: the iteration spans become spans of final global batches."""
+    sample_based = v["train_samples"] is not None or ramped
+    warmup_samples, decay_samples = v["lr_warmup_samples"], v["lr_decay_samples"]
+    warmup_iters, decay_iters = v["lr_warmup_iters"], v["lr_decay_iters"]
+    if sample_based and v["train_samples"] is None:
+        warmup_samples = warmup_iters * global_batch_size
+        decay_samples = (decay_iters or v["train_iters"]) * global_batch_size
+        warmup_iters, decay_iters = 0, None
+    return LRScheduleConfig(
         lr=v["lr"],
         min_lr=v["min_lr"],
         decay_style=v["lr_decay_style"],
-        warmup_iters=v["lr_warmup_iters"],
-        decay_iters=v["lr_decay_iters"],
+        warmup_iters=warmup_iters,
+        decay_iters=decay_iters,
+        warmup_init=v["lr_warmup_init"],
+        warmup_fraction=v["lr_warmup_fraction"],
+        sample_based=sample_based,
+        warmup_samples=warmup_samples,
+        decay_samples=decay_samples,
     )
+
+
+def _warmup_warning(lr: LRScheduleConfig, *, total: int, per_iteration: int) -> list[str]:
+    """A warm-up that was asked for but spans less than one iteration would be silently gone: say so."""
+    warmup, _ = lr.warmup_and_decay(total)
+    iterations = warmup / per_iteration
+    if 0 < iterations < 1:
+        return [
+            f"warning: the LR warm-up spans {iterations:.3g} iterations (less than one): the first update runs at "
+            f"--lr-warmup-init={lr.warmup_init} and the next ones at the decayed rate; lengthen the warm-up to keep it"
+        ]
+    return []
+
+
+def _optimizer_configs(v: dict[str, Any]) -> tuple[OptimizerConfig, PrecisionConfig]:
     optimizer = OptimizerConfig(
         weight_decay=v["weight_decay"],
         adam_beta1=v["adam_beta1"],
@@ -234,7 +344,7 @@ def _optimizer_configs(v: dict[str, Any]) -> tuple[LRScheduleConfig, OptimizerCo
         hysteresis=v["hysteresis"],
         check_for_nan_in_loss_and_grad=v["check_for_nan_in_loss_and_grad"],
     )
-    return lr_schedule, optimizer, precision
+    return optimizer, precision
 
 
 def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, CheckpointConfig, LoggingConfig]:
@@ -249,6 +359,10 @@ def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, Checkp
         tokenizer_model=v["tokenizer_model"],
         vocab_size=model.vocab_size or None,
         num_workers=v["num_workers"],
+        data_cache_path=v["data_cache_path"],
+        train_data_path=tuple(v["train_data_path"] or ()),
+        valid_data_path=tuple(v["valid_data_path"] or ()),
+        dataloader_type=v["dataloader_type"],
     )
     checkpoint = CheckpointConfig(
         save=v["save"],
@@ -258,22 +372,45 @@ def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, Checkp
         no_load_rng=v["no_load_rng"],
         finetune=v["finetune"],
         exit_signal_handler=v["exit_signal_handler"],
+        no_save_optim=v["no_save_optim"],
+        no_save_rng=v["no_save_rng"],
+        use_checkpoint_args=v["use_checkpoint_args"],
     )
     logging = LoggingConfig(
         log_interval=v["log_interval"],
         tensorboard_dir=v["tensorboard_dir"],
         wandb_project=v["wandb_project"],
         wandb_exp_name=v["wandb_exp_name"],
+        tensorboard_log_interval=v["tensorboard_log_interval"],
+        log_num_zeros_in_grad=v["log_num_zeros_in_grad"],
+        log_memory_to_tensorboard=v["log_memory_to_tensorboard"],
     )
     return data, checkpoint, logging
+
+
+def _profiling_config(v: dict[str, Any]) -> ProfilingConfig:
+    return ProfilingConfig(
+        profile=v["profile"],
+        use_pytorch_profiler=v["use_pytorch_profiler"],
+        step_start=v["profile_step_start"],
+        step_end=v["profile_step_end"],
+        ranks=tuple(v["profile_ranks"]),
+        trace_dir=v["tensorboard_dir"] or "profiles",
+    )
 
 
 def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     """Parse and validate the flags of one run on ``world_size`` ranks; raises ``ConfigError`` on bad input."""
     v, ignored = parse_flags(argv)
-    require(v["train_iters"] is not None, "--train-iters is required (how many iterations to train)")
+    _check_run_length_flags(v)
     require(v["lr"] is not None, "--lr is required (the peak learning rate)")
-    require(v["mock_data"] or bool(v["data_path"]), NO_DATA_MESSAGE)
+    require(v["mock_data"] or bool(v["data_path"]) or bool(v["train_data_path"]), NO_DATA_MESSAGE)
+    warnings: list[str] = []
+    if v["use_checkpoint_args"]:
+        require(
+            v["load"] is not None, "--use-checkpoint-args needs --load DIR (the checkpoint whose model flags to use)"
+        )
+        warnings += apply_checkpoint_args(v, v["load"])
     parallel = _parallel_config(v)
     overridden = override_warnings(v, tp_size=parallel.tp_size)  # --data-path with --mock-data: an error
     dp = parallel.data_parallel_size(world_size)
@@ -282,10 +419,18 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         model.check_sequence_parallel(parallel.tp_size)
     # --kernels triton / --transformer-impl transformer_engine it cannot serve: exit 2 here
     kernels = resolve_kernels(KernelConfig.from_flags(v), model, tp_size=parallel.tp_size)
-    training = _training_config(v)
-    num_microbatches = training.num_microbatches(dp)
-    lr_schedule, optimizer, precision = _optimizer_configs(v)
+    length_probe = _training_config(v, 1)  # batch sizes checked before the run length is derived from them
+    final_gbs = length_probe.resolved_global_batch_size(dp)
+    num_microbatches = length_probe.num_microbatches(dp)
+    batch_schedule, train_iters = _batch_schedule(v, dp, final_gbs)
+    training = _training_config(v, train_iters)
+    lr_schedule = _lr_schedule_config(v, ramped=batch_schedule is not None, global_batch_size=final_gbs)
+    lr_total = lr_schedule_length(training, lr_schedule, batch_schedule, final_gbs)
+    warnings += _warmup_warning(lr_schedule, total=lr_total, per_iteration=final_gbs if lr_schedule.sample_based else 1)
+    optimizer, precision = _optimizer_configs(v)
     data, checkpoint, logging = _io_configs(v, model)
+    if checkpoint.save_interval is not None and checkpoint.save is None:
+        warnings.append(f"warning: --save-interval {checkpoint.save_interval} without --save: no checkpoint is written")
     pipeline = ScheduleConfig.from_flags(v)
     documents, model_flag_notes = _document_config(v)
     layout = None
@@ -299,6 +444,15 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
             last_stage_layers=parallel.decoder_last_pipeline_num_layers,
             allow_padding=parallel.allow_padding_num_layers,
         )
+        if batch_schedule is not None:  # every microbatch count of the ramp must have a plan (cached by the registry)
+            require(
+                pipeline.schedule_file is None,
+                "--rampup-batch-size changes the microbatch count; a --schedule-file plan has one count: drop one",
+            )
+            for m in batch_schedule.microbatch_counts():
+                pipeline.build_schedule(
+                    pp=parallel.pp_size, num_microbatches=m, num_layers=model.num_layers, source=layout.plans
+                )
     return RunConfig(
         model=model,
         parallel=parallel,
@@ -312,7 +466,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         world_size=world_size,
         dp_size=dp,
         num_microbatches=num_microbatches,
-        global_batch_size=training.resolved_global_batch_size(dp),
+        global_batch_size=final_gbs,
         ignored_flags=ignored,
         overridden_flags=overridden,
         pipeline=pipeline,
@@ -320,4 +474,19 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         kernels=kernels,
         documents=documents,
         model_flag_notes=tuple(model_flag_notes),
+        batch_schedule=batch_schedule,
+        profiling=_profiling_config(v),
+        warnings=tuple(warnings),
     )
+
+
+def lr_schedule_length(
+    training: TrainingConfig, lr: LRScheduleConfig, batches: BatchSizeSchedule | None, global_batch_size: int
+) -> int:
+    """The run's length in the LR schedule's unit: iterations, or samples (``--train-samples``, or what the ramp-up
+    and ``--train-iters`` iterations consume in full global batches, as Megatron counts its decay span)."""
+    if not lr.sample_based:
+        return training.train_iters
+    if training.train_samples is not None:
+        return training.train_samples
+    return training.train_iters * global_batch_size

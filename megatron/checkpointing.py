@@ -127,8 +127,8 @@ def common_state(tr: Trainer, iteration: int) -> dict[str, Any]:
         "model_args": {**dataclasses.asdict(tr.run.model), "padded_vocab_size": tr.run.padded_vocab_size},
         "layout": layout_of(tr),
         "tokenizer": tokenizer_sources(tr.run.data)[0],  # its files go under tokenizer/ (megatron.tokenizer.recorded)
-        "has_rng": True,
-        "has_optimizer": True,
+        "has_rng": not tr.run.checkpoint.no_save_rng,
+        "has_optimizer": not tr.run.checkpoint.no_save_optim,
     }
 
 
@@ -174,12 +174,13 @@ def save_checkpoint(tr: Trainer, *, log=None) -> Path:
                 name = cf.model_file(ctx.tp_rank, ctx.pp_rank)
                 payload = {"params": model_state(tr.model), "meta": model_split_metadata(tr.model)}
                 entries[name] = cf.write_tensor_file(tmp / name, payload, rank=ctx.rank)
-            if tr.optimizer.sharded or ctx.dp_rank == 0:
+            if not tr.run.checkpoint.no_save_optim and (tr.optimizer.sharded or ctx.dp_rank == 0):
                 dp_index = ctx.dp_rank if tr.optimizer.sharded else 0
                 name = cf.optim_file(ctx.tp_rank, ctx.pp_rank, dp_index)
                 entries[name] = cf.write_tensor_file(tmp / name, tr.optimizer.sharded_state_dict(), rank=ctx.rank)
-            name = cf.rng_file(ctx.rank)
-            entries[name] = cf.write_tensor_file(tmp / name, rng_state(tr.model), rank=ctx.rank)
+            if not tr.run.checkpoint.no_save_rng:
+                name = cf.rng_file(ctx.rank)
+                entries[name] = cf.write_tensor_file(tmp / name, rng_state(tr.model), rank=ctx.rank)
         except OSError as err:
             error = f"rank {ctx.rank}: {err.strerror or err}" + (f" ({err.filename})" if err.filename else "")
     error = _agree(ctx, error)
@@ -296,6 +297,8 @@ def _load(tr: Trainer, root: Path, log) -> str | None:
 
     finetune = cfg.finetune
     load_optim = not (cfg.no_load_optim or finetune) and common.get("has_optimizer", True)
+    if not (cfg.no_load_optim or finetune) and not load_optim and log is not None:
+        log(f"checkpoint {directory} has no optimizer state (--no-save-optim or converted); the optimizer starts fresh")
     if load_optim:
         prefix = f"optim_tp{ctx.tp_rank:02d}_pp{ctx.pp_rank:03d}_"
         names = sorted(n for n in manifest if n.startswith(prefix))
@@ -327,7 +330,7 @@ def _load(tr: Trainer, root: Path, log) -> str | None:
         tr.consumed_valid_samples = int(common["consumed_valid_samples"])
         tr.skipped_iterations = int(common["skipped_iterations"])
         tr.nan_iterations = int(common["nan_iterations"])
-        if not load_optim:
-            tr.scheduler.num_steps = tr.iteration
+        if not load_optim:  # the LR schedule continues from the run's position (in its unit)
+            tr.scheduler.num_steps = tr.consumed_train_samples if tr.run.lr_schedule.sample_based else tr.iteration
     what = "model only (--finetune)" if finetune else f"iteration {iteration}"
     return f"loaded checkpoint {directory} ({what})"

@@ -52,6 +52,22 @@ KNOWN_IGNORED_FLAGS: dict[str, tuple[bool, str]] = {
     "--log-params-norm": (False, "not implemented"),
     "--ckpt-format": (True, "checkpoints are always per-rank torch files with a verified manifest"),
     "--use-dist-ckpt": (False, "checkpoints are always per-rank torch files with a verified manifest"),
+    # launch-script flags that cannot change results here (timers, overlap knobs, logging extras, loader threads)
+    "--DDP-impl": (True, "there is one data-parallel implementation (megatron.parallel.data_parallel)"),
+    "--no-barrier-with-level-1-timing": (False, "no per-region timers"),
+    "--barrier-with-L1-time": (False, "no per-region timers"),
+    "--timing-log-option": (True, "no per-region timers"),
+    "--no-overlap-p2p-communication": (False, "P2P runs in the plan's order; overlap never changes values"),
+    "--overlap-p2p-communication": (False, "P2P runs in the plan's order; overlap never changes values"),
+    "--log-validation-ppl-to-tensorboard": (False, "the validation perplexity is always logged"),
+    "--log-world-size-to-tensorboard": (False, "the world size is in the start-up summary"),
+    "--log-batch-size-to-tensorboard": (False, "the global batch size is in every log line"),
+    "--log-loss-scale-to-tensorboard": (False, "the loss scale is in every log line"),
+    "--no-log-loss-scale-to-tensorboard": (False, "the loss scale is in every log line"),
+    "--empty-unused-memory-level": (True, "the caching allocator is not emptied between iterations"),
+    "--num-dataset-builder-threads": (True, "dataset indices are built by one process and cached"),
+    "--no-mmap-bin-files": (False, "indexed datasets are always memory-mapped (same tokens)"),
+    "--test-data-path": (True, "no test-split evaluation runs here (the test split is never read)"),
 }
 
 
@@ -103,7 +119,7 @@ class FlagTable:
         choices: Sequence[Any] | None = None,
         switch: bool = False,
         dest: str | None = None,
-        nargs: str | None = None,
+        nargs: str | int | None = None,
         store_false: bool = False,
     ) -> None:
         dest = dest or flag.lstrip("-").replace("-", "_")
@@ -157,6 +173,8 @@ def build_parser() -> tuple[OneLineParser, FlagTable]:
     _precision_flags(table)
     _kernel_flags(table)
     _logging_flags(table)
+    _compat_training_flags(table)
+    _compat_io_flags(table)
     g = parser.add_argument_group("pipeline schedule (megatron.pipeline.schedule_flags: flags and fork-flag mapping)")
     for flag, spec in schedule_flag_specs():
         table.add(g, flag, **spec)
@@ -352,11 +370,23 @@ def _data_flags(t: FlagTable) -> None:
     t.add(g, "--data-path", nargs="*", default=None, help="dataset prefix, or weight prefix weight prefix ... to blend")
     t.add(g, "--split", default="969, 30, 1", help="train/valid/test proportions")
     t.add(g, "--mock-data", switch=True, help="synthetic learnable tokens (seeded Markov chain); no dataset needed")
-    t.add(g, "--tokenizer-type", default=None, help="tokenizer (e.g. GPT2BPETokenizer, HuggingFaceTokenizer)")
+    t.add(
+        g,
+        "--tokenizer-type",
+        default="GPT2BPETokenizer",
+        help="tokenizer (GPT2BPETokenizer needs --vocab-file and --merge-file; not built with --mock-data or "
+        "--vocab-size)",
+    )
     t.add(g, "--vocab-file", default=None, help="tokenizer vocabulary file")
     t.add(g, "--merge-file", default=None, help="BPE merges file")
     t.add(g, "--tokenizer-model", default=None, help="tokenizer model file or name")
-    t.add(g, "--num-workers", type=int, default=0, help="data-loader worker processes")
+    t.add(
+        g,
+        "--num-workers",
+        type=int,
+        default=0,
+        help="worker processes of the training DataLoader (Megatron's default is 2; 0 here: no extra processes)",
+    )
 
 
 def _checkpoint_flags(t: FlagTable) -> None:
@@ -462,3 +492,46 @@ def _logging_flags(t: FlagTable) -> None:
     t.add(g, "--tensorboard-dir", default=None, help="write TensorBoard scalars here (if tensorboard is installed)")
     t.add(g, "--wandb-project", default=None, help="log to this Weights & Biases project (if wandb is installed)")
     t.add(g, "--wandb-exp-name", default=None, help="Weights & Biases run name")
+
+
+def _compat_training_flags(t: FlagTable) -> None:
+    """Megatron's sample-based training, LR warmup variants, batch-size ramp-up, time-based exit, profiling."""
+    pi, fl = positive_int, float
+    g = t.parser.add_argument_group("sample-based training, ramp-up, time-based exit (Megatron's meanings)")
+    t.add(g, "--train-samples", type=pi, default=None, help="samples to train (instead of --train-iters)")
+    t.add(g, "--lr-decay-samples", type=pi, default=None, help="samples of LR decay (default --train-samples)")
+    t.add(g, "--lr-warmup-samples", type=int, default=0, help="samples of linear LR warmup (with --train-samples)")
+    t.add(g, "--lr-warmup-fraction", type=fl, default=None, help="warm up over this fraction of the decay span")
+    t.add(g, "--lr-warmup-init", type=fl, default=0.0, help="learning rate the warmup starts from")
+    t.add(
+        g,
+        "--rampup-batch-size",
+        type=int,
+        nargs=3,
+        default=None,
+        help="START INCR SAMPLES: global batch size from START up by INCR over SAMPLES samples",
+    )
+    t.add(g, "--exit-duration-in-mins", type=fl, default=None, help="save (with --save) and exit after this long")
+    g = t.parser.add_argument_group("profiling (Megatron's --profile window)")
+    t.add(g, "--profile", switch=True, help="profile iterations [--profile-step-start, --profile-step-end)")
+    t.add(g, "--use-pytorch-profiler", switch=True, help="--profile with torch.profiler (else a CUDA profiler range)")
+    t.add(g, "--profile-step-start", type=int, default=10, help="first profiled iteration (0-based)")
+    t.add(g, "--profile-step-end", type=int, default=12, help="profiling stops before this iteration")
+    t.add(g, "--profile-ranks", type=int, nargs="+", default=[0], help="global ranks that profile")
+
+
+def _compat_io_flags(t: FlagTable) -> None:
+    """Megatron's per-split data paths, data loader, checkpoint contents and logging extras."""
+    g = t.parser.add_argument_group("data paths per split, data loader (Megatron's meanings)")
+    t.add(g, "--train-data-path", nargs="*", default=None, help="training blend, used whole (instead of --data-path)")
+    t.add(g, "--valid-data-path", nargs="*", default=None, help="validation blend, used whole")
+    t.add(g, "--data-cache-path", default=None, help="directory of the dataset index caches (default: next to data)")
+    t.add(g, "--dataloader-type", default="single", choices=("single", "cyclic"), help="sample order")
+    g = t.parser.add_argument_group("checkpoint contents")
+    t.add(g, "--no-save-optim", switch=True, help="checkpoints without optimizer state")
+    t.add(g, "--no-save-rng", switch=True, help="checkpoints without RNG states")
+    t.add(g, "--use-checkpoint-args", switch=True, help="take the model flags from the --load checkpoint")
+    g = t.parser.add_argument_group("logging extras")
+    t.add(g, "--tensorboard-log-interval", type=positive_int, default=1, help="iterations between scalar writes")
+    t.add(g, "--log-num-zeros-in-grad", switch=True, help="count zero gradient entries (log line: num zeros)")
+    t.add(g, "--log-memory-to-tensorboard", switch=True, help="memory use in the log line and scalars")

@@ -46,7 +46,8 @@ class Trainer:
     post_validation: Any = None
     # Called with (trainer, SettledStep) once a step's outcome is final, in iteration order (tests record state).
     step_listeners: list[Callable[[Trainer, SettledStep], None]] = field(default_factory=list)
+    train_loader: Any = None  # megatron.data.loader.MicrobatchLoader, built on the first iteration
 
     @property
     def consumed_train_samples(self) -> int:
-        return self.iteration * self.run.global_batch_size
+        return self.run.batches.consumed_before(self.iteration)

@@ -24,7 +24,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
@@ -43,9 +43,11 @@ from megatron.pipeline.trainer_hooks import (
     pipeline_summary,
     write_pipeline_trace,
 )
+from megatron.profiling import ProfileWindow
 from megatron.signal_handler import ExitSignalHandler
 from megatron.trainer_state import Trainer
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
+from megatron.training_metrics import memory_stats
 from megatron.training_setup import setup
 from megatron.training_step import StepResult, settle_pending_step, train_step
 from zb_pipeline import comm
@@ -72,8 +74,11 @@ def params_per_stage(tr: Trainer) -> list[int]:
     return counts
 
 
-def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
-    """Run the whole training job described by ``run`` on the ranks launched by torchrun (or one process)."""
+def pretrain(run: RunConfig, *, stream: TextIO | None = None, scalar_sink: Any = None) -> TrainSummary:
+    """Run the whole training job described by ``run`` on the ranks launched by torchrun (or one process).
+
+    ``scalar_sink``: also send the TensorBoard scalars to this object's ``add_scalar(name, value, step)``."""
+    start_time = time.time()  # --exit-duration-in-mins counts from here
     if run.checkpoint.save:  # before any collective: every rank fails alike
         check_writable(run.checkpoint.save)
     if run.checkpoint.load and not Path(run.checkpoint.load).is_dir():
@@ -87,7 +92,7 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
     if ctx.device.type == "cpu":  # activations churn through malloc every microbatch: keep freed memory mapped
         keep_freed_host_memory()
     try:
-        return _pretrain(run, ctx, stream)
+        return _pretrain(run, ctx, stream, scalar_sink, start_time)
     except comm.PeerFailedError as err:  # a dead or stopped peer: this rank's one line, with each rank's stage
         labels = stage_labels(ctx.layout, **context_layout(run))
         line = peer_failure_line(
@@ -98,12 +103,13 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None) -> TrainSummary:
         ctx.shutdown()
 
 
-def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> TrainSummary:
+def _pretrain(
+    run: RunConfig, ctx: ParallelContext, stream: TextIO | None, scalar_sink: Any, start_time: float
+) -> TrainSummary:
     tr = setup(run, ctx)
     run, t, ckpt = tr.run, tr.run.training, tr.run.checkpoint
-    logger = TrainingLogger(run.logging, rank=ctx.rank, stream=stream)
-    tokens_per_iter = run.global_batch_size * run.model.seq_length
-    flops_per_iter = _model_flops(run)
+    logger = TrainingLogger(run.logging, rank=ctx.rank, stream=stream, scalar_sink=scalar_sink)
+    flops_per_iter = _model_flops(run)  # at the final global batch size (ramp-up: scaled per iteration)
     _startup_summary(tr, logger, flops_per_iter)
     if ckpt.load:
         load_checkpoint(tr, log=logger.print)
@@ -112,10 +118,14 @@ def _pretrain(run: RunConfig, ctx: ParallelContext, stream: TextIO | None) -> Tr
     collector = ManualGC(t.manual_gc_interval, t.manual_gc_eval) if t.manual_gc else None
     if collector is not None:
         collector.start()
+    window = ProfileWindow(run.profiling, rank=ctx.rank, log=logger.print)
     try:
         with signals:
-            summary = _train_loop(tr, logger, tokens_per_iter, flops_per_iter, signals, collector)
+            summary = _train_loop(tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time)
     finally:
+        window.stop()
+        if tr.train_loader is not None:  # --num-workers: its worker processes end with the loop
+            tr.train_loader.close()
         if collector is not None:
             collector.stop()
     write_pipeline_trace(tr, logger.print)
@@ -161,6 +171,7 @@ def _startup_summary(tr: Trainer, logger: TrainingLogger, flops_per_iter: float)
         extra={
             "data": data,
             "train iterations": t.train_iters,
+            **_ramp_summary(run),
             "model FLOPs per iteration": f"{flops_per_iter:.3e}",
             "precision": run.precision.name
             + (", distributed optimizer" if run.optimizer.use_distributed_optimizer else ""),
@@ -169,6 +180,17 @@ def _startup_summary(tr: Trainer, logger: TrainingLogger, flops_per_iter: float)
             **_post_validation_summary(tr),
         },
     )
+
+
+def _ramp_summary(run: RunConfig) -> dict[str, str]:
+    b = run.batch_schedule
+    if b is None or not b.ramp:
+        return {}
+    counts = ", ".join(str(m) for m in b.microbatch_counts())
+    return {
+        "batch-size ramp-up": f"{b.ramp[0]} -> {b.final} over {len(b.ramp)} iterations "
+        f"({b.consumed_before(len(b.ramp))} samples); microbatches/rank: {counts}"
+    }
 
 
 def _post_validation_summary(tr: Trainer) -> dict[str, str]:
@@ -206,16 +228,22 @@ class _LogWindow:
     iters: int = 0
     skipped: int = 0
     nan: int = 0
+    samples: int = 0
     start: float = field(default_factory=time.time)
 
-    def add(self, res: StepResult) -> None:
+    def add(self, res: StepResult, samples: int) -> None:
         self.loss += res.loss if math.isfinite(res.loss) else 0.0
         self.iters += 1
         self.skipped += int(res.skipped)
         self.nan += int(res.nan)
+        self.samples += samples
 
-    def stats(self, tr: Trainer, res: StepResult, grad_norm: float | None, tokens: int, flops: float) -> IterationStats:
+    def stats(self, tr: Trainer, res: StepResult, grad_norm: float | None, flops: float) -> IterationStats:
+        run = tr.run
         elapsed = (time.time() - self.start) / self.iters
+        samples = self.samples / self.iters  # per iteration (ramp-up: the window's mean global batch)
+        tokens = samples * run.model.seq_length
+        flops = flops * samples / run.global_batch_size
         good = self.iters - self.nan - (self.skipped if tr.optimizer.scaler.dynamic else 0)
         return IterationStats(
             iteration=tr.iteration,
@@ -223,7 +251,7 @@ class _LogWindow:
             consumed_samples=tr.consumed_train_samples,
             elapsed_s_per_iter=elapsed,
             learning_rate=res.learning_rate,
-            global_batch_size=tr.run.global_batch_size,
+            global_batch_size=run.global_batch_size_at(tr.iteration - 1),
             lm_loss=self.loss / good if good else float("nan"),
             grad_norm=grad_norm,
             loss_scale=res.loss_scale,
@@ -233,16 +261,46 @@ class _LogWindow:
             model_tflops=flops / elapsed / 1e12,
             world_size=tr.ctx.world_size,
             post_validation=tr.post_validation.summary() if tr.post_validation is not None else None,
+            extra=_extra_fields(tr, res),
         )
+
+
+def _extra_fields(tr: Trainer, res: StepResult) -> tuple[tuple[str, str], ...]:
+    """Log-line fields of --log-num-zeros-in-grad and --log-memory-to-tensorboard."""
+    out: list[tuple[str, str]] = []
+    if res.num_zeros_in_grad is not None:
+        out.append(("num zeros", f"{res.num_zeros_in_grad:d}"))
+    if tr.run.logging.log_memory_to_tensorboard:
+        out += [(k, f"{v:d}") for k, v in memory_stats(tr.ctx.device).items()]
+    return tuple(out)
+
+
+def _scalars(tr: Trainer, res: StepResult) -> dict[str, float]:
+    """The TensorBoard / W&B scalars of the iteration just run (Megatron's names)."""
+    out = {
+        "lm loss": res.loss,
+        "learning-rate": res.learning_rate,
+        "batch-size": float(tr.run.global_batch_size_at(tr.iteration - 1)),
+        "loss-scale": res.loss_scale,
+    }
+    if res.grad_stats is not None:
+        out["grad-norm"] = res.grad_stats.norm
+    if res.num_zeros_in_grad is not None:
+        out["num-zeros"] = float(res.num_zeros_in_grad)
+    if tr.run.logging.log_memory_to_tensorboard:
+        out.update({k: float(v) for k, v in memory_stats(tr.ctx.device).items()})
+    return out
 
 
 def _train_loop(
     tr: Trainer,
     logger: TrainingLogger,
-    tokens_per_iter: int,
     flops_per_iter: float,
     signals: object,
     collector: ManualGC | None = None,
+    *,
+    profile: ProfileWindow,
+    start_time: float,
 ) -> TrainSummary:
     run, t, ckpt = tr.run, tr.run.training, tr.run.checkpoint
     validation: list[tuple[int, float]] = []
@@ -250,17 +308,21 @@ def _train_loop(
     run_start = time.time()
     last_grad_norm: float | None = None
     saved_at = tr.iteration if ckpt.load else -1
-    start_iteration = tr.iteration
+    start_consumed = tr.consumed_train_samples
     while tr.iteration < t.train_iters:
+        profile.before_iteration(tr.iteration)
         res = train_step(tr)
+        profile.after_iteration(tr.iteration)
         if collector is not None:
             collector.after_iteration(tr.iteration)
-        window.add(res)
+        window.add(res, run.global_batch_size_at(tr.iteration - 1))
         if res.grad_stats is not None:
             last_grad_norm = res.grad_stats.norm
         it = tr.iteration
+        if it % run.logging.tensorboard_log_interval == 0:
+            logger.iteration_scalars(it, _scalars(tr, res))
         if it % run.logging.log_interval == 0 or it == t.train_iters:
-            logger.iteration(window.stats(tr, res, last_grad_norm, tokens_per_iter, flops_per_iter))
+            logger.iteration(window.stats(tr, res, last_grad_norm, flops_per_iter))
             window = _LogWindow()
         if tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
             window.skipped += _count_skipped(settle_pending_step(tr))
@@ -268,7 +330,7 @@ def _train_loop(
             validation.append((it, loss))
             logger.validation(it, loss)
             window.start = time.time()  # validation time is not iteration time
-        saved_at, stop = _save_or_exit(tr, logger, signals, saved_at)
+        saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time)
         if stop:
             break
     else:
@@ -280,13 +342,29 @@ def _train_loop(
         loss = _evaluate_collected(tr, collector)
         validation.append((tr.iteration, loss))
         logger.validation(tr.iteration, loss)
-    tokens_per_s = tokens_per_iter * (tr.iteration - start_iteration) / wall if wall > 0 else 0.0
+    tokens = (tr.consumed_train_samples - start_consumed) * run.model.seq_length
+    tokens_per_s = tokens / wall if wall > 0 else 0.0
     return _final_summary(tr, logger, validation, collector, tokens_per_s)
 
 
-def _save_or_exit(tr: Trainer, logger: TrainingLogger, signals: object, saved_at: int) -> tuple[int, bool]:
-    """After iteration ``tr.iteration``: the interval checkpoint, then SIGTERM and ``--exit-interval`` (each saves
-    first unless that iteration is saved already).  Returns (the last saved iteration, stop the loop?)."""
+def _time_is_up(tr: Trainer, start_time: float) -> bool:
+    """``--exit-duration-in-mins``: whether any rank's clock has passed it (one small all-reduce, so every rank
+    stops after the same iteration)."""
+    limit = tr.run.training.exit_duration_in_mins
+    if limit is None:
+        return False
+    late = int((time.time() - start_time) / 60.0 > limit)
+    if tr.ctx.is_distributed:
+        late = int(comm.all_reduce_values([late], op="max", dtype=torch.int64)[0])
+    return bool(late)
+
+
+def _save_or_exit(
+    tr: Trainer, logger: TrainingLogger, signals: object, saved_at: int, start_time: float
+) -> tuple[int, bool]:
+    """After iteration ``tr.iteration``: the interval checkpoint, then SIGTERM, ``--exit-duration-in-mins`` and
+    ``--exit-interval`` (each saves first unless that iteration is saved already).  Returns (the last saved
+    iteration, stop the loop?)."""
     ckpt, t, it = tr.run.checkpoint, tr.run.training, tr.iteration
     if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
         _save(tr, logger)
@@ -296,6 +374,14 @@ def _save_or_exit(tr: Trainer, logger: TrainingLogger, signals: object, saved_at
             _save(tr, logger)
             saved_at = it
         logger.print(f"exiting program after receiving SIGTERM, at iteration {it}")
+        return saved_at, True
+    if _time_is_up(tr, start_time):
+        if ckpt.save and saved_at != it:
+            _save(tr, logger)
+            saved_at = it
+        logger.print(
+            f"exiting program after {t.exit_duration_in_mins} minutes (--exit-duration-in-mins), at iteration {it}"
+        )
         return saved_at, True
     if t.exit_interval is not None and it % t.exit_interval == 0:
         if ckpt.save and saved_at != it:

@@ -43,6 +43,7 @@ class IterationStats:
     model_tflops: float
     world_size: int
     post_validation: str | None = None  # "validated steps: N | rollbacks: ..." with --enable-optimizer-post-validation
+    extra: tuple[tuple[str, str], ...] = ()  # more fields: --log-num-zeros-in-grad, --log-memory-to-tensorboard
 
 
 def format_iteration_line(s: IterationStats) -> str:
@@ -60,6 +61,7 @@ def format_iteration_line(s: IterationStats) -> str:
     ]
     if s.grad_norm is not None:
         parts.append(f" grad norm: {s.grad_norm:.3f} |")
+    parts += [f" {name}: {value} |" for name, value in s.extra]
     parts += [
         f" number of skipped iterations: {s.skipped_iterations:3d} |",
         f" number of nan iterations: {s.nan_iterations:3d} |",
@@ -109,13 +111,22 @@ def model_flops_per_iteration(
 class TrainingLogger:
     """Rank-0 reporting: log lines, summaries, optional TensorBoard / W&B scalars."""
 
-    def __init__(self, config: LoggingConfig, *, rank: int, stream: TextIO | None = None, run_name: str = "") -> None:
+    def __init__(
+        self,
+        config: LoggingConfig,
+        *,
+        rank: int,
+        stream: TextIO | None = None,
+        run_name: str = "",
+        scalar_sink: Any = None,
+    ) -> None:
         self.config = config
         self.enabled = rank == 0
         self.stream = stream or sys.stdout
         self.start_time = time.time()
         self._tb: Any = None
         self._wandb: Any = None
+        self._sink = scalar_sink  # anything with add_scalar(name, value, step) (TensorBoard's SummaryWriter's call)
         if not self.enabled:
             return
         if config.tensorboard_dir:
@@ -138,6 +149,9 @@ class TrainingLogger:
             print(text, file=self.stream, flush=True)
 
     def _scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._sink is not None:
+            for key, value in values.items():
+                self._sink.add_scalar(key, value, step)
         if self._tb is not None:
             for key, value in values.items():
                 self._tb.add_scalar(key, value, step)
@@ -145,18 +159,13 @@ class TrainingLogger:
             self._wandb.log(values, step=step)
 
     def iteration(self, stats: IterationStats) -> None:
-        if not self.enabled:
-            return
-        self.print(format_iteration_line(stats))
-        scalars = {
-            "lm loss": stats.lm_loss,
-            "learning-rate": stats.learning_rate,
-            "tokens-per-second": stats.tokens_per_s,
-            "iteration-time": stats.elapsed_s_per_iter,
-        }
-        if stats.grad_norm is not None:
-            scalars["grad-norm"] = stats.grad_norm
-        self._scalars(stats.iteration, scalars)
+        if self.enabled:
+            self.print(format_iteration_line(stats))
+
+    def iteration_scalars(self, iteration: int, scalars: dict[str, float]) -> None:
+        """TensorBoard / W&B scalars of one iteration (the loop calls it every ``--tensorboard-log-interval``)."""
+        if self.enabled:
+            self._scalars(iteration, scalars)
 
     def validation(self, iteration: int, loss: float) -> None:
         if not self.enabled:

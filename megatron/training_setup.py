@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from megatron.arguments import RunConfig
+from megatron.arguments import RunConfig, lr_schedule_length
 from megatron.config.errors import ConfigError
 from megatron.data.document_masks import DocumentMaskedDataset, tokenizer_given
+from megatron.data.loader import CyclicOrder
 from megatron.data.mock_data import MockGPTDataset
 from megatron.kernels.select import apply_kernels
 from megatron.model import build_gpt_model
@@ -43,36 +44,56 @@ def resolve_vocab(run: RunConfig) -> RunConfig:
 
 
 def build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | None]:
-    """(train, valid) datasets: mock tokens, or DATA's indexed GPT datasets for ``--data-path``.
+    """(train, valid) datasets: mock tokens, or DATA's indexed GPT datasets for ``--data-path`` (split by
+    ``--split``) or ``--train-data-path`` / ``--valid-data-path`` (each used whole); ``--dataloader-type cyclic``
+    wraps them in a seeded order per pass.
 
     Hook for the default corpus: ``tools/make_train.py`` prepares it and passes ``--data-path``; nothing here changes.
     """
-    t, seq = run.training, run.model.seq_length
-    train_samples = t.train_iters * run.global_batch_size
+    train, valid = _build_datasets(run, ctx)
+    if run.data.dataloader_type == "cyclic":
+        train = CyclicOrder(train, seed=run.training.seed)
+        valid = CyclicOrder(valid, seed=run.training.seed + 1) if valid is not None else None
+    return train, valid
+
+
+def _build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | None]:
+    t, seq, d = run.training, run.model.seq_length, run.data
+    train_samples = run.batches.consumed_before(t.train_iters)
     evals = t.train_iters // t.eval_interval + 1
-    valid_samples = evals * t.eval_iters * run.global_batch_size
-    if run.data.mock_data:
+    valid_samples = evals * t.eval_iters * run.global_batch_size if t.eval_iters > 0 else 0
+    if d.mock_data:
         common = dict(seed=t.seed, seq_length=seq, vocab_size=run.model.vocab_size)
         train = MockGPTDataset(split="train", num_samples=train_samples, **common)
-        valid = MockGPTDataset(split="valid", num_samples=valid_samples, **common) if t.eval_iters > 0 else None
+        valid = MockGPTDataset(split="valid", num_samples=valid_samples, **common) if valid_samples else None
         return train, valid
     from megatron.data.blended_dataset import build_gpt_datasets
 
-    def build() -> tuple[Any, ...]:
+    def build_one(paths: tuple[str, ...], split: str, counts: tuple[int, int, int]) -> tuple[Any, ...]:
         return build_gpt_datasets(
-            list(run.data.data_path),
-            split=run.data.split,
+            list(paths),
+            split=split,
             seq_length=seq,
             seed=t.seed,
-            num_samples=(train_samples, valid_samples if t.eval_iters > 0 else 0, 0),
+            num_samples=counts,
             vocab_size=run.model.vocab_size,
+            cache_dir=d.data_cache_path,
         )
+
+    def build() -> tuple[Any, ...]:
+        if d.data_path:
+            return build_one(d.data_path, d.split, (train_samples, valid_samples, 0))[:2]
+        train = build_one(d.train_data_path, "1,0,0", (train_samples, 0, 0))[0]  # per-split paths: used whole
+        valid = build_one(d.valid_data_path, "0,1,0", (0, valid_samples, 0))[1] if d.valid_data_path else None
+        return train, valid
+
+    paths = " ".join(d.data_path or d.train_data_path + d.valid_data_path)
 
     def attempt() -> tuple[tuple[Any, ...] | None, str | None]:
         try:
             return build(), None
         except (OSError, ValueError) as err:
-            return None, f"cannot open --data-path {' '.join(run.data.data_path)}: {str(err).splitlines()[0]}"
+            return None, f"cannot open the data {paths}: {str(err).splitlines()[0]}"
 
     # Rank 0 builds (and caches) the sample indices first and tells the others whether that worked, so a bad path
     # fails on every rank at once instead of leaving them waiting in a barrier.
@@ -109,7 +130,8 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         pipeline.loss_scale_fn = lambda: optimizer.loss_scale  # read when each loss is computed
         if run.pipeline.optimizer_post_validation:
             post_validation = PostValidatedStep(pipeline, optimizer, ctx)
-    scheduler = LRScheduler(run.lr_schedule, train_iters=run.training.train_iters)
+    lr_length = lr_schedule_length(run.training, run.lr_schedule, run.batch_schedule, run.global_batch_size)
+    scheduler = LRScheduler(run.lr_schedule, train_iters=lr_length)
     if train_data is None:
         train_data, valid_data = build_datasets(run, ctx)
     train_data, valid_data = document_masked(run, train_data), document_masked(run, valid_data)

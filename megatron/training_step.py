@@ -26,12 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from megatron.config.errors import RunAbortedError
-from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices, microbatch_loss
+from megatron.data.loader import train_microbatches
+from megatron.microbatches import mean_over_dp, microbatch_loss
 from megatron.optimizer import GradStats
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.post_validated_step import SettledStep
 from megatron.pipeline.trainer_hooks import pipeline_forward_backward
 from megatron.trainer_state import Trainer
+from megatron.training_metrics import num_zeros_in_grad
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class StepResult:
     skipped: bool  # a step settled in this call was skipped (post-validation: the previous iteration's step)
     loss_scale: float = 1.0
     nan: bool = False  # counted as a nan iteration (non-finite loss, or inf/NaN gradients without fp16 scaling)
+    num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad: zero gradient entries of this iteration
 
 
 def forward_backward(tr: Trainer) -> float:
@@ -53,14 +56,13 @@ def forward_backward(tr: Trainer) -> float:
     if tr.pipeline is not None:  # pp > 1: the plan runs the microbatches (megatron.pipeline.trainer_hooks)
         return pipeline_forward_backward(tr)
     run, ctx = tr.run, tr.ctx
-    m = run.num_microbatches
-    base = tr.iteration * run.global_batch_size
+    batches = train_microbatches(tr)  # this iteration's m (ramp-up: m follows the global batch size)
+    m = len(batches)
     tr.model.train()
     tr.reducer.zero_grad()
     total = torch.zeros((), dtype=torch.float64, device=ctx.device)
     scale = tr.optimizer.loss_scale  # 1 for bf16/fp32: loss * 1 / m is exactly loss / m
-    for k in range(m):
-        batch = load_microbatch(tr.train_data, microbatch_indices(run, ctx.dp_rank, base, k), ctx.device)
+    for k, batch in enumerate(batches):
         tr.reducer.prepare_microbatch(is_last=k == m - 1)
         loss = microbatch_loss(tr.model, batch)
         (loss * scale / m).backward()
@@ -104,7 +106,7 @@ def settle(tr: Trainer, steps: list[SettledStep]) -> list[SettledStep]:
         if st.skipped:
             tr.skipped_iterations += 1
         else:
-            tr.scheduler.step()
+            tr.scheduler.step(tr.run.lr_increment(st.iteration))
         for listener in tr.step_listeners:
             listener(tr, st)
     return steps
@@ -128,6 +130,7 @@ def train_step(tr: Trainer) -> StepResult:
             f"the loss is {loss} at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
             "lower --lr, raise --clip-grad strictness or resume from an earlier checkpoint"
         )
+    zeros = num_zeros_in_grad(tr) if tr.run.logging.log_num_zeros_in_grad else None
     lr = tr.scheduler.current_lr
     settled = optimizer_step(tr)
     if tr.post_validation is not None:
@@ -138,4 +141,12 @@ def train_step(tr: Trainer) -> StepResult:
     nan = not math.isfinite(loss) or (skipped and not tr.optimizer.scaler.dynamic)
     tr.nan_iterations += int(nan)
     stats = settled[-1].stats if settled else None
-    return StepResult(loss=loss, learning_rate=lr, grad_stats=stats, skipped=skipped, loss_scale=scale, nan=nan)
+    return StepResult(
+        loss=loss,
+        learning_rate=lr,
+        grad_stats=stats,
+        skipped=skipped,
+        loss_scale=scale,
+        nan=nan,
+        num_zeros_in_grad=zeros,
+    )

@@ -21,8 +21,8 @@ BASE = ["--model-config", "gpt-tiny", "--train-iters", "3", "--lr", "1e-3", "--m
 # extra flags -> the one warning they must give
 PAIRS = {
     "tokenizer-with-mock": (
-        ["--tokenizer-type", "GPT2BPETokenizer"],
-        "--tokenizer-type GPT2BPETokenizer",
+        ["--tokenizer-type", "NullTokenizer"],
+        "--tokenizer-type NullTokenizer",
         "--mock-data",
     ),
     "vocab-file-with-mock": (["--vocab-file", "v.json"], "--vocab-file v.json", "--mock-data"),

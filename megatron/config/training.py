@@ -21,6 +21,10 @@ class TrainingConfig:
     manual_gc: bool = False  # megatron.garbage_collection
     manual_gc_interval: int = 0
     manual_gc_eval: bool = True
+    # --train-samples (then ``train_iters`` is derived from it) and --rampup-batch-size START INCR SAMPLES
+    train_samples: int | None = None
+    rampup_batch_size: tuple[int, int, int] | None = None
+    exit_duration_in_mins: float | None = None  # stop (saving first) once this much wall time has passed
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 1, f"--micro-batch-size={self.micro_batch_size} must be >= 1")
@@ -31,6 +35,8 @@ class TrainingConfig:
         require(self.eval_iters >= 0, f"--eval-iters={self.eval_iters} must be >= 0 (0 disables validation)")
         if self.exit_interval is not None:
             require(self.exit_interval >= 1, f"--exit-interval={self.exit_interval} must be >= 1")
+        if self.exit_duration_in_mins is not None:
+            require(self.exit_duration_in_mins > 0, f"--exit-duration-in-mins={self.exit_duration_in_mins} must be > 0")
         require(self.seed >= 0, f"--seed={self.seed} must be >= 0")
         require(
             self.manual_gc_interval >= 0,

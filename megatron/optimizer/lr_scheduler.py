@@ -1,9 +1,11 @@
-"""Megatron's learning-rate schedule: linear warmup from 0, then constant / linear / cosine / inverse-sqrt decay.
+"""Megatron's learning-rate schedule: linear warmup from ``--lr-warmup-init``, then constant / linear / cosine /
+inverse-sqrt decay.
 
-``learning_rate_at(n, ...)`` is the rate after ``n`` completed iterations, exactly Megatron's
-``OptimizerParamScheduler.get_lr`` with ``init_lr = 0``: iteration 1 runs with ``n = 0`` (so with warmup the first
-update has rate 0), warmup reaches ``lr`` at ``n = warmup_iters``, decay reaches ``min_lr`` at ``n = decay_iters`` and
-stays there.
+``learning_rate_at(n, ...)`` is the rate after ``n`` completed steps, exactly Megatron's
+``OptimizerParamScheduler.get_lr``: iteration 1 runs with ``n = 0`` (so with warmup the first update has rate
+``--lr-warmup-init``), warmup reaches ``lr`` at ``n = warmup``, decay reaches ``min_lr`` at ``n = decay`` and stays
+there.  A step is an iteration, or -- sample-based schedules (``--train-samples``, ``--rampup-batch-size``) -- a
+sample: the scheduler then advances by each step's global batch size.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from megatron.config.lr_schedule import LRScheduleConfig
 
 
 def learning_rate_at(num_steps: int, config: LRScheduleConfig, *, train_iters: int) -> float:
-    """The learning rate used for the update after ``num_steps`` completed iterations."""
+    """The learning rate used for the update after ``num_steps`` completed steps; ``train_iters`` is the run's
+    length in the schedule's unit (iterations, or samples when ``config.sample_based``)."""
     max_lr, min_lr = config.lr, config.min_lr
-    warmup = config.warmup_iters
-    decay = config.decay_iters if config.decay_iters is not None else train_iters
+    warmup, decay = config.warmup_and_decay(train_iters)
     if warmup > 0 and num_steps <= warmup:
-        return max_lr * num_steps / warmup
+        init = config.warmup_init
+        return init + (max_lr - init) * num_steps / warmup
     style = config.decay_style
     if style == "constant":
         return max_lr
@@ -41,7 +44,8 @@ def learning_rate_at(num_steps: int, config: LRScheduleConfig, *, train_iters: i
 
 
 class LRScheduler:
-    """Holds the iteration count; ``current_lr`` is the rate of the next update, ``step()`` advances one iteration."""
+    """Holds the step count; ``current_lr`` is the rate of the next update, ``step(n)`` advances ``n`` steps (one
+    iteration, or its global batch size for a sample-based schedule).  ``train_iters``: the run's length in steps."""
 
     def __init__(self, config: LRScheduleConfig, *, train_iters: int, num_steps: int = 0) -> None:
         self.config = config

@@ -18,7 +18,9 @@ The reference fork's flags, so its users' scripts run unchanged:
                                                  (default 85) of device memory; resolved by the profiler at run time
                                                  (``mem_limit_auto``), no limit until then
     --zero-bubble-pipeline-timers-start-iter / -end-iter  -> the profiling window: at its end zb-auto, zb-h2, zb-v,
-                                                 v-half, v-min and interleaved-zb are re-planned from the measured costs
+                                                 v-half, v-min and interleaved-zb are re-planned from measured costs;
+                                                 with --enable-zero-bubble / --zero-bubble-v-schedule the fork's
+                                                 default window, iterations 100 to 110, applies when they are absent
     --enable-exactly-numeric-match            accepted: our runtime is exact by construction (each stage's weight
                                                  gradients accumulate in microbatch order)
     --enable-optimizer-post-validation        the optimizer steps without waiting for the other pipeline stages'
@@ -48,6 +50,7 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.plan_file import load_plan
 
 DEFAULT_SCHEDULE = "zb-h1"
+FORK_TIMERS_WINDOW = (100, 110)  # the zero-bubble fork's --zero-bubble-pipeline-timers-start/end-iter defaults
 V_MEM_SETUP = {"zb": "zb-v", "half": "v-half", "min": "v-min"}  # the fork's V flag -> our schedule names
 
 
@@ -180,6 +183,10 @@ class ScheduleConfig:
                     raise ConfigError(
                         f"--zero-bubble-max-pending-backward={pending!r} must be a number of microbatches or 'auto'"
                     ) from None
+        start, end = v.get("zero_bubble_pipeline_timers_start_iter"), v.get("zero_bubble_pipeline_timers_end_iter")
+        if implied is not None:  # the fork's flags: its default window where the script gives none
+            start = FORK_TIMERS_WINDOW[0] if start is None else start
+            end = FORK_TIMERS_WINDOW[1] if end is None else end
         return cls(
             schedule=schedule,
             schedule_file=v.get("schedule_file"),
@@ -187,8 +194,8 @@ class ScheduleConfig:
             mem_limit=mem_limit,
             mem_limit_auto=auto,
             adaptive_memory_percentile=float(get("zero_bubble_adaptive_memory_limit_percentile", 85.0)),
-            timers_start_iter=v.get("zero_bubble_pipeline_timers_start_iter"),
-            timers_end_iter=v.get("zero_bubble_pipeline_timers_end_iter"),
+            timers_start_iter=start,
+            timers_end_iter=end,
             exactly_numeric_match=bool(get("enable_exactly_numeric_match", False)),
             optimizer_post_validation=bool(get("enable_optimizer_post_validation", False)),
             p2p_check=bool(get("pipeline_p2p_check", False)),

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron.data.loader import train_microbatches
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
 from megatron.parallel.context import ParallelContext
@@ -98,11 +99,20 @@ def _batches(tr: Trainer, dataset: Any, base: int) -> list[dict[str, torch.Tenso
     ]
 
 
+def _train_batches(tr: Trainer) -> list[dict[str, torch.Tensor]]:
+    """This iteration's microbatches (ramp-up: their count follows the global batch size); placeholders on ranks
+    whose stages read no batch."""
+    pipe = tr.pipeline
+    if not (pipe.holds_first_stage or pipe.holds_last_stage):
+        return [{} for _ in range(tr.run.num_microbatches_at(tr.iteration))]
+    return train_microbatches(tr)
+
+
 def pipeline_forward_backward(tr: Trainer) -> float:
     """One iteration through the plan; returns the global-batch mean loss (as the pp = 1 loop does)."""
 
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
-    batches = _batches(tr, tr.train_data, tr.iteration * run.global_batch_size)
+    batches = _train_batches(tr)
     tr.model.train()
     if tr.post_validation is None:
         tr.reducer.zero_grad()
@@ -113,7 +123,7 @@ def pipeline_forward_backward(tr: Trainer) -> float:
     tr.reducer.finish()
     if run.parallel.sequence_parallel or run.model.qk_layernorm:  # grads that are partial sums over tp
         allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
-    return mean_over_dp(total, run.num_microbatches, ctx)
+    return mean_over_dp(total, len(batches), ctx)
 
 
 @torch.no_grad()

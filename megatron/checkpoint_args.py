@@ -1,0 +1,41 @@
+"""``--use-checkpoint-args``: the model flags come from the ``--load`` checkpoint (Megatron's meaning).
+
+Read while the flags are parsed, before the model is built: the checkpoint's ``common.pt`` holds the model config it
+was written with (``model_args``); every model field found there replaces the command line's value, so a resume
+(or a fine-tuning run) needs only ``--load``.  Without a checkpoint in the directory yet, the flags stand (one
+warning line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from megatron import checkpoint_files as cf
+from megatron.model.config import GPTConfig
+
+
+def checkpoint_model_args(load: str) -> dict[str, Any] | None:
+    """The ``GPTConfig`` fields saved in the latest checkpoint under ``load`` (``None`` when it holds none yet)."""
+    root = Path(load)
+    iteration = cf.read_tracker(root)
+    if iteration is None:
+        return None
+    directory = cf.iteration_dir(root, iteration)
+    common = cf.verified_load(directory, cf.COMMON, cf.read_manifest(directory))
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    return {k: v for k, v in common["model_args"].items() if k in names}
+
+
+def apply_checkpoint_args(values: dict[str, Any], load: str) -> list[str]:
+    """Overwrite the model flag values in ``values`` (argparse dest names) with the checkpoint's; returns warnings."""
+    saved = checkpoint_model_args(load)
+    if saved is None:
+        return [f"warning: --use-checkpoint-args: no checkpoint in --load {load} yet; using the command line's model"]
+    for name, value in saved.items():
+        values[name] = value
+    heads, groups = saved.get("num_attention_heads"), saved.get("num_query_groups")
+    values["group_query_attention"] = groups is not None and groups != heads
+    values["num_query_groups"] = groups if values["group_query_attention"] else 1
+    return []
