@@ -29,6 +29,7 @@ from megatron.config.model_sizes import load_model_config
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
+from megatron.config.recompute import RecomputeConfig
 from megatron.config.training import TrainingConfig
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
@@ -58,6 +59,7 @@ class RunConfig:
     pipeline: ScheduleConfig = field(default_factory=ScheduleConfig)  # the pipeline schedule (used when pp > 1)
     pipeline_layout: PipelineLayout | None = None  # pp > 1: the plan and each virtual stage's layers
     kernels: KernelSelection = field(default_factory=KernelSelection)  # torch or Triton, per fused op
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # --recompute-* (activation recomputation)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -223,6 +225,21 @@ def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, Checkp
     return data, checkpoint, logging
 
 
+def _recompute_config(
+    v: dict[str, Any], parallel: ParallelConfig, model: GPTConfig, layout: PipelineLayout | None
+) -> RecomputeConfig:
+    """The ``--recompute-*`` flags, checked against tp, sequence parallelism and every (virtual) stage's layers."""
+    recompute = RecomputeConfig.from_flags(v)
+    stage_layers = (model.num_layers,) if layout is None else tuple(len(r) for r in layout.layer_ranges)
+    recompute.check(
+        tp=parallel.tp_size,
+        sequence_parallel=parallel.sequence_parallel,
+        stage_layers=stage_layers,
+        transformer_impl=v.get("transformer_impl", "local"),
+    )
+    return recompute
+
+
 def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     """Parse and validate the flags of one run on ``world_size`` ranks; raises ``ConfigError`` on bad input."""
     v, ignored = parse_flags(argv)
@@ -252,6 +269,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
             last_stage_layers=parallel.decoder_last_pipeline_num_layers,
             allow_padding=parallel.allow_padding_num_layers,
         )
+    recompute = _recompute_config(v, parallel, model, layout)
     return RunConfig(
         model=model,
         parallel=parallel,
@@ -270,4 +288,5 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         pipeline=pipeline,
         pipeline_layout=layout,
         kernels=kernels,
+        recompute=recompute,
     )

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megatron.model.config import GPTConfig
 from megatron.model.rope import apply_rotary
 from megatron.parallel.tensor_parallel import ColumnParallelLinear, HasTensorParallel, RowParallelLinear
+from zb_pipeline.runtime.recompute import recompute
 
 
 class SelfAttention(torch.nn.Module):
@@ -23,6 +24,7 @@ class SelfAttention(torch.nn.Module):
         self.groups = config.num_query_groups // tp.tp_size  # query groups on this rank
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.dropout_p = config.attention_dropout
+        self.recompute_core = False  # selective recomputation (megatron.model.recompute): attend() again at B
         bias = config.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, config.qkv_projection_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
@@ -34,15 +36,30 @@ class SelfAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         # x: [s, b, h] ([s/tp, b, h] with sequence parallelism)
         qkv = self.linear_qkv(x)  # [s, b, groups * (heads_per_group + 2) * d]
-        out = attend(
+        dropout_p = self.dropout_p if self.training else 0.0
+        core = _CoreAttention(self.groups, self.heads_per_group, self.head_dim, dropout_p)
+        if self.recompute_core:  # F keeps qkv (and rotary) only
+            out = recompute(core, qkv, *(rotary or ()))
+        else:
+            out = core(qkv, *(rotary or ()))  # [s, b, nq * d]
+        return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
+
+
+class _CoreAttention:
+    """``attend`` with its sizes bound: ``(qkv, *rotary) -> out`` (the unit selective recomputation re-runs)."""
+
+    def __init__(self, groups: int, heads_per_group: int, head_dim: int, dropout_p: float) -> None:
+        self.groups, self.heads_per_group, self.head_dim, self.dropout_p = groups, heads_per_group, head_dim, dropout_p
+
+    def __call__(self, qkv: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        return attend(
             qkv,
             groups=self.groups,
             heads_per_group=self.heads_per_group,
             head_dim=self.head_dim,
-            rotary=rotary,
-            dropout_p=self.dropout_p if self.training else 0.0,
-        )  # [s, b, nq * d]
-        return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
+            rotary=(rotary[0], rotary[1]) if rotary else None,
+            dropout_p=self.dropout_p,
+        )
 
 
 def attend(

@@ -36,6 +36,7 @@ from megatron.parallel.tensor_parallel import (
     TPContext,
     vocab_parallel_cross_entropy,
 )
+from zb_pipeline.runtime.recompute import recompute
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
@@ -79,6 +80,10 @@ class GPTStage(torch.nn.Module):
         self.final_layernorm = None
         self.output_layer = None
         self.cross_entropy_kernel = None  # a fused vocab-parallel cross-entropy (megatron.kernels.select); None: torch
+        # Runs (start, stop) of local layers recomputed at backward, and what F keeps of a run's input
+        # (megatron.model.recompute.apply_recompute sets them; () : none)
+        self.recompute_segments: tuple[tuple[int, int], ...] = ()
+        self.recompute_options: dict = {}
         self.shares_embedding_in_stage = post_process and pre_process and config.tied_embeddings
         if post_process:
             self.final_layernorm = build_norm(
@@ -124,8 +129,7 @@ class GPTStage(torch.nn.Module):
             x = inputs
             seq_len = x.shape[0] * (self.tp.tp_size if self.sequence_parallel else 1)
         rotary = self.rotary(seq_len, device=x.device, dtype=x.dtype) if self.rotary is not None else None
-        for layer in self.layers:
-            x = layer(x, rotary)
+        x = self._layers(x, rotary)
         if not self.post_process:
             return x
         x = self.final_layernorm(x)
@@ -137,6 +141,32 @@ class GPTStage(torch.nn.Module):
             logits, labels.t(), self.tp, vocab_size=self.config.vocab_size, kernel=self.cross_entropy_kernel
         )
         return loss.t()  # [b, s]
+
+    def _layers(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The transformer layers in order; each run in ``recompute_segments`` keeps only its input for backward."""
+        done = 0
+        for start, stop in self.recompute_segments:
+            for layer in self.layers[done:start]:
+                x = layer(x, rotary)
+            run = _LayerRun(self.layers[start:stop])
+            x = recompute(run, x, *(rotary or ()), **self.recompute_options)
+            done = stop
+        for layer in self.layers[done:]:
+            x = layer(x, rotary)
+        return x
+
+
+class _LayerRun:
+    """Layers applied in order to ``(x, *rotary)``: the function a recomputed run re-runs at backward."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
+        self.layers = list(layers)
+
+    def __call__(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        rot = (rotary[0], rotary[1]) if rotary else None
+        for layer in self.layers:
+            x = layer(x, rot)
+        return x
 
 
 def stage_layer_ranges(
