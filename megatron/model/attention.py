@@ -39,7 +39,7 @@ class SelfAttention(torch.nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         core = _CoreAttention(self.groups, self.heads_per_group, self.head_dim, dropout_p)
         if self.recompute_core:  # F keeps qkv (and rotary) only
-            out = recompute(core, qkv, *(rotary or ()))
+            out = recompute(core, qkv, *(rotary or ()), store=self.linear_qkv.weight_grad_store)
         else:
             out = core(qkv, *(rotary or ()))  # [s, b, nq * d]
         return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)

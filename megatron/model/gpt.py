@@ -37,6 +37,7 @@ from megatron.parallel.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from zb_pipeline.runtime.recompute import recompute
+from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
@@ -84,6 +85,7 @@ class GPTStage(torch.nn.Module):
         # (megatron.model.recompute.apply_recompute sets them; () : none)
         self.recompute_segments: tuple[tuple[int, int], ...] = ()
         self.recompute_options: dict = {}
+        self.weight_grad_store: WeightGradStore | None = None  # bound by the runtime; recompute reports to it
         self.shares_embedding_in_stage = post_process and pre_process and config.tied_embeddings
         if post_process:
             self.final_layernorm = build_norm(
@@ -149,7 +151,7 @@ class GPTStage(torch.nn.Module):
             for layer in self.layers[done:start]:
                 x = layer(x, rotary)
             run = _LayerRun(self.layers[start:stop])
-            x = recompute(run, x, *(rotary or ()), **self.recompute_options)
+            x = recompute(run, x, *(rotary or ()), store=self.weight_grad_store, **self.recompute_options)
             done = stop
         for layer in self.layers[done:]:
             x = layer(x, rotary)

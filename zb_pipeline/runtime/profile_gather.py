@@ -44,6 +44,7 @@ def local_summary(
     mem: Mapping[tuple[Kind, int], Sequence[float]],
     residual: Mapping[int, Sequence[float]],
     gaps: Sequence[float],
+    transient: Mapping[int, Sequence[float]] | None = None,
     peaks: Sequence[float],
     statistic: str = "median",
 ) -> dict[str, Any]:
@@ -56,6 +57,7 @@ def local_summary(
         entry = {k.value: summarise(times.get((k, s), []), statistic) for k in COMPUTE_KINDS}
         entry.update({"mem_" + k.value: summarise(mem.get((k, s), [])) for k in COMPUTE_KINDS})
         entry["residual"] = summarise(residual.get(s, [])) or 0.0
+        entry["mem_B_transient"] = summarise((transient or {}).get(s, [])) or 0.0
         entry["samples"] = len(times.get((Kind.F, s), []))
         out["stages"][s] = entry
     out["gap"] = summarise(gaps, statistic)
@@ -148,6 +150,7 @@ def gather(
         mem_b=mem_b,
         mem_w=tuple(-(x + y) for x, y in zip(mem_f, mem_b)),
         residual=tuple(float(v) for v in col("residual")),
+        mem_b_transient=tuple(float(per_stage[s].get("mem_B_transient", 0.0)) for s in range(S)),
         peak_bytes=tuple(peaks),
         samples=tuple(int(v) for v in col("samples")),
         schedule=sched.name,

@@ -112,9 +112,12 @@ class _Recompute(torch.autograd.Function):
         finally:
             now.restore()
         outs = (out,) if ctx.single else tuple(out)
+        store: WeightGradStore | None = opts.store
+        if store is not None and store.on_recompute:
+            for hook in store.on_recompute:
+                hook(outs)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad]
         diff = [t for t in tensors if t.requires_grad]
-        store: WeightGradStore | None = opts.store
         if pairs and store is not None and store.deferring and store.split_autograd_params:
             from zb_pipeline.runtime.generic_split import split_backward  # generic_split imports nothing of ours
 
@@ -167,6 +170,8 @@ class Recompute(torch.nn.Module):
     It carries a ``weight_grad_store`` attribute, so ``bind_weight_grad_store`` (and ``GenericSplit``) bind it like
     a deferrable layer: under the generic split its plain parameters' gradients are deferred to W.
     """
+
+    store_only = True  # not a deferrable layer itself: the executor still picks the generic split for its stage
 
     def __init__(self, module: torch.nn.Module, *, trackers: Sequence[RNGTracker] = ()) -> None:
         super().__init__()

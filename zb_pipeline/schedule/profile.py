@@ -61,6 +61,7 @@ class Profile:
     device: str = "cpu"
     overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (its gap; 0 = not measured)
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
+    mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
 
     @property
     def num_stages(self) -> int:
@@ -115,13 +116,13 @@ class Profile:
         bs, ws = zip(*(self._split(s, fused=fused) for s in range(self.num_stages)), strict=True)
         mf = tuple(float(v) for v in self.mem_f)
         mb = tuple(float(v) for v in self.mem_b)
+        mt = tuple(float(v) for v in self.mem_b_transient) or (0.0,) * self.num_stages
         fs = tuple(max(v, _MIN_COST_MS) for v in self.f)
         bs = tuple(max(v, _MIN_COST_MS) for v in bs)
         ws = tuple(max(v, _MIN_COST_MS) for v in ws)
         if target == tuple(self.stage_to_rank):
-            return StageCosts(
-                f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=tuple(-(x + y) for x, y in zip(mf, mb))
-            )
+            mw = tuple(-(x + y) for x, y in zip(mf, mb))
+            return StageCosts(f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=mw, mem_b_transient=mt)
 
         def share(values: Sequence[float]) -> list[float]:
             out = [0.0] * p
@@ -139,6 +140,7 @@ class Profile:
             comm=self.comm,
             mem_f=share(mf),
             mem_b=share(mb),
+            mem_b_transient=share(mt),  # a rank's stages' transients summed: an upper bound for its new chunks
         )
 
     def microbatch_bytes(self) -> float:
