@@ -127,7 +127,8 @@ class ActivationMemory:
         self.param_ptrs = param_ptrs
         self.mem: dict[tuple[Kind, int], list[float]] = {}  # (kind, stage) -> bytes added by each action
         self.residual: dict[int, list[float]] = {}  # stage -> bytes a microbatch still held after its W
-        self.transient: dict[int, list[float]] = {}  # stage -> bytes a B held above the sum before it (recompute)
+        # (B or BW, stage) -> bytes it held above the sum before it (recompute)
+        self.transient: dict[tuple[Kind, int], list[float]] = {}
         self.peaks: list[float] = []  # one per profiled iteration
         self._roots: dict[tuple[int, int], Any] = {}  # key -> what F saved for backward (autograd edge/tensor)
         self._work: dict[tuple[int, int], list[Callable[[], None]]] = {}  # key -> deferred W work objects
@@ -136,6 +137,7 @@ class ActivationMemory:
         self._cuda_base = 0
         self._iteration_open = False
         self._in_b: tuple[int, int] | None = None  # the B (or BW) running now (saved-tensor source)
+        self._b_kind = Kind.B
         self._b_high = 0.0  # the most the rank held during it
 
     @property
@@ -172,7 +174,7 @@ class ActivationMemory:
         if self.source == "cuda":
             return torch.cuda.memory_allocated(self.device)
         if self.source == "saved-tensors" and kind in (Kind.B, Kind.BW):
-            self._in_b, self._b_high = key, 0.0
+            self._in_b, self._b_high, self._b_kind = key, 0.0, kind
         return 0
 
     def recomputed(self, outputs: tuple[torch.Tensor, ...]) -> None:
@@ -228,7 +230,7 @@ class ActivationMemory:
     def _account(self, kind: Kind, key: tuple[int, int]) -> None:
         if self._in_b is not None:
             before = sum(self._live.values())
-            self.transient.setdefault(key[0], []).append(max(0.0, self._b_high - before))
+            self.transient.setdefault((self._b_kind, key[0]), []).append(max(0.0, self._b_high - before))
             self._peak = max(self._peak, self._b_high)
             self._in_b = None
         if kind in _FREES:

@@ -82,7 +82,7 @@ class ActionProfiler:
         return self.activation.residual
 
     @property
-    def transient(self) -> dict[int, list[float]]:
+    def transient(self) -> dict[tuple[Kind, int], list[float]]:
         return self.activation.transient
 
     @property

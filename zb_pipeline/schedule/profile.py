@@ -62,6 +62,7 @@ class Profile:
     overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (its gap; 0 = not measured)
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
     mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
+    mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
 
     @property
     def num_stages(self) -> int:
@@ -117,12 +118,15 @@ class Profile:
         mf = tuple(float(v) for v in self.mem_f)
         mb = tuple(float(v) for v in self.mem_b)
         mt = tuple(float(v) for v in self.mem_b_transient) or (0.0,) * self.num_stages
+        mtw = tuple(float(v) for v in self.mem_bw_transient) or mt
         fs = tuple(max(v, _MIN_COST_MS) for v in self.f)
         bs = tuple(max(v, _MIN_COST_MS) for v in bs)
         ws = tuple(max(v, _MIN_COST_MS) for v in ws)
         if target == tuple(self.stage_to_rank):
             mw = tuple(-(x + y) for x, y in zip(mf, mb))
-            return StageCosts(f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=mw, mem_b_transient=mt)
+            return StageCosts(
+                f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=mw, mem_b_transient=mt, mem_bw_transient=mtw
+            )
 
         def share(values: Sequence[float]) -> list[float]:
             out = [0.0] * p
@@ -140,7 +144,8 @@ class Profile:
             comm=self.comm,
             mem_f=share(mf),
             mem_b=share(mb),
-            mem_b_transient=share(mt),  # a rank's stages' transients summed: an upper bound for its new chunks
+            mem_b_transient=share(mt),  # spread over the new chunks like the deltas
+            mem_bw_transient=share(mtw),
         )
 
     def microbatch_bytes(self) -> float:
