@@ -227,10 +227,12 @@ def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = T
 
 
 def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
-    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank."""
+    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank (measured
+    with the run's recomputation in force), plus the largest transient a B holds while it recomputes, so that N keeps
+    counting pending microbatches."""
     if not n > 0:
         raise ValueError(f"memory limit of {n} microbatches must be > 0")
-    return float(n) * profile.microbatch_bytes()
+    return float(n) * profile.microbatch_bytes() + max(profile.mem_b_transient, default=0.0)
 
 
 def profile_is_finite(profile: Profile) -> bool:
