@@ -115,6 +115,29 @@ def test_generic_split_with_recompute_defers_plain_params_to_w_and_w_never_recom
     assert len(got) == len(ref) == 8 and all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
+def test_generic_split_first_stage_with_recompute_and_no_input_gradient() -> None:
+    """A recomputed block whose input needs no gradient (a first stage): its weights still get their gradients."""
+    from zb_pipeline.runtime.generic_split import GenericSplit
+    from zb_pipeline.runtime.recompute import Recompute
+    from zb_pipeline.runtime.weight_grad_store import WeightGradStore
+
+    def run(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(6)
+        block = _Block()
+        stage = torch.nn.Sequential(Recompute(block) if wrap else block)
+        store = WeightGradStore()
+        split = GenericSplit(stage, store)
+        y = stage(torch.randn(4, 8))
+        with store.defer(0, 0):
+            split.backward_input([y], [torch.ones_like(y)], [])
+        store.run(0, 0)
+        assert block.calls == (2 if wrap else 1)
+        return [p.grad for p in stage.parameters()]
+
+    ref, got = run(False), run(True)
+    assert len(got) == len(ref) == 4 and all(g is not None and torch.equal(g, r) for g, r in zip(got, ref))
+
+
 # ------------------------------------------------------------------------------------------------ the trainer
 def _train(rank: int, world_size: int, argv: list[str]) -> list[float]:
     from megatron.arguments import parse_run_config

@@ -81,7 +81,11 @@ class _Recompute(torch.autograd.Function):
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in args]
         ctx.needs = [a.requires_grad for a in tensors]
         packs = opts.pack is not None
-        packed = [i for i, t in enumerate(tensors) if packs and t.requires_grad and t.is_floating_point()]
+        packed = [
+            i
+            for i, t in enumerate(tensors)
+            if packs and t.requires_grad and t.is_floating_point() and not isinstance(t, torch.nn.Parameter)
+        ]
         ctx.packed = set(packed)
         ctx.shapes = {i: tensors[i].shape for i in packed}
         with torch.no_grad():
@@ -154,10 +158,12 @@ def recompute(
     if not any(t.requires_grad for t in tensors) and not needs_params:
         return fn(*args)
     if not any(t.requires_grad for t in tensors):
-        # Parameters inside but no input needing a gradient: a zero-size input that does, so that backward comes.
-        args = (*args, torch.zeros(0, requires_grad=True))
-        inner = fn
-        fn = lambda *a: inner(*a[:-1])  # noqa: E731
+        # Parameters inside but no input needing a gradient: pass them as (unused) inputs so that backward comes
+        # (under the generic split the segment is then weight work only, recomputed once, at W).
+        extra = [p for p in params if p.requires_grad]
+        args = (*args, *extra)
+        inner, k = fn, len(extra)
+        fn = lambda *a: inner(*a[:-k])  # noqa: E731
     if (pack is None) != (unpack is None):
         raise ValueError("recompute: give both pack and unpack, or neither")
     opts = _Options(store, [p for p in params if p.requires_grad], tuple(trackers), pack, unpack)
