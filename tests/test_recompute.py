@@ -207,6 +207,43 @@ def test_post_validation_and_pp1_bit_identical_slow() -> None:
     assert _losses([*BASE, *SELECTIVE], 1) == _losses(BASE, 1)
 
 
+def _train_logged(rank: int, world_size: int, argv: list[str]) -> dict:
+    from megatron.arguments import parse_run_config
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    losses = list(pretrain(parse_run_config(argv, world_size=world_size), stream=out).losses)
+    return {"losses": losses, "log": out.getvalue()}
+
+
+@pytest.mark.slow
+def test_zb_auto_replans_from_a_profile_measured_under_recompute_slow(tmp_path) -> None:
+    """zb-auto re-planned at the end of a profiling window under full recompute: the saved profile carries the B
+    transients, the re-planned plan's predicted peak fits the limit of 2 measured microbatches (plus one transient),
+    and the losses stay those of the same run without recompute (within 1e-4: the two runs may re-plan differently
+    from their own timings)."""
+    from zb_pipeline.schedule.memory import peak_memory
+    from zb_pipeline.schedule.profile import Profile, mem_limit_for_microbatches
+    from zb_pipeline.schedule.registry import generate
+
+    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+    argv = [*BASE, "--train-iters", "5", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *window]
+    argv += ["--zero-bubble-max-pending-backward", "2"]
+    plain = run_multiprocess(_train_logged, 2, args=(argv,), timeout_s=240)[0]["losses"]
+    save = str(tmp_path / "ckpt")
+    got = run_multiprocess(_train_logged, 2, args=([*argv, *FULL_UNIFORM, "--save", save],), timeout_s=240)
+    assert "replanned zb-auto" in "".join(r["log"] for r in got)
+    losses = got[0]["losses"]
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, plain)) and len(losses) == len(plain)
+    profile = Profile.load(f"{save}/zb_profile.json")
+    assert all(t > 0 for t in profile.mem_b_transient)
+    limit = mem_limit_for_microbatches(profile, 2)
+    costs = profile.to_stage_costs()
+    plan = generate("zb-auto", 2, 4, costs=costs, mem_limit=limit)
+    assert max(peak_memory(plan, costs)) <= limit * (1 + 1e-9)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def _error(extra: list[str], world_size: int = 2) -> str:
     from megatron.arguments import parse_run_config
