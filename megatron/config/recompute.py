@@ -65,6 +65,17 @@ class RecomputeConfig:
     def selective(self) -> bool:
         return self.granularity == "selective"
 
+    def summary(self) -> dict[str, str]:
+        """The start-up summary's line (none when recomputation is off)."""
+        if not self.enabled:
+            return {}
+        if self.selective:
+            what = "selective (core attention)"
+        else:
+            what = f"full, {self.method}, {self.num_layers} layer(s)"
+            what += ", saved inputs distributed over tp" if self.distribute_saved_activations else ""
+        return {"activation recomputation": what + "; B recomputes, W never does"}
+
     def segments(self, num_layers: int) -> tuple[tuple[int, int], ...]:
         """The runs ``(start, stop)`` of a stage's ``num_layers`` local layers that are recomputed as one unit."""
         if not self.full:
