@@ -34,6 +34,7 @@ from megatron.config.overrides import override_warnings
 from megatron.config.parallel import ParallelConfig
 from megatron.config.precision import PrecisionConfig
 from megatron.config.profiling import ProfilingConfig
+from megatron.config.recompute import RecomputeConfig
 from megatron.config.training import TrainingConfig
 from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
@@ -90,6 +91,8 @@ class RunConfig:
         """How far the LR schedule advances for the step of 1-based ``iteration``: its global batch size when the
         schedule counts samples, else one."""
         return self.global_batch_size_at(iteration - 1) if self.lr_schedule.sample_based else 1
+
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)  # --recompute-* (activation recomputation)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -399,6 +402,21 @@ def _profiling_config(v: dict[str, Any]) -> ProfilingConfig:
     )
 
 
+def _recompute_config(
+    v: dict[str, Any], parallel: ParallelConfig, model: GPTConfig, layout: PipelineLayout | None
+) -> RecomputeConfig:
+    """The ``--recompute-*`` flags, checked against tp, sequence parallelism and every (virtual) stage's layers."""
+    recompute = RecomputeConfig.from_flags(v)
+    stage_layers = (model.num_layers,) if layout is None else tuple(len(r) for r in layout.layer_ranges)
+    recompute.check(
+        tp=parallel.tp_size,
+        sequence_parallel=parallel.sequence_parallel,
+        stage_layers=stage_layers,
+        transformer_impl=v.get("transformer_impl", "local"),
+    )
+    return recompute
+
+
 def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     """Parse and validate the flags of one run on ``world_size`` ranks; raises ``ConfigError`` on bad input."""
     v, ignored = parse_flags(argv)
@@ -453,6 +471,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
                 pipeline.build_schedule(
                     pp=parallel.pp_size, num_microbatches=m, num_layers=model.num_layers, source=layout.plans
                 )
+    recompute = _recompute_config(v, parallel, model, layout)
     return RunConfig(
         model=model,
         parallel=parallel,
@@ -477,6 +496,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         batch_schedule=batch_schedule,
         profiling=_profiling_config(v),
         warnings=tuple(warnings),
+        recompute=recompute,
     )
 
 

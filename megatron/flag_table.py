@@ -21,6 +21,7 @@ from megatron.config.errors import ConfigError
 from megatron.config.kernels import KERNEL_BACKENDS, TRANSFORMER_IMPLS
 from megatron.config.lr_schedule import LR_DECAY_STYLES
 from megatron.config.model_sizes import available_sizes
+from megatron.config.recompute import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from megatron.model.config import ATTENTION_BACKENDS, NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
 from megatron.optimizer.registry import optimizer_names
 from megatron.pipeline.schedule_flags import schedule_flag_specs
@@ -172,6 +173,7 @@ def build_parser() -> tuple[OneLineParser, FlagTable]:
     _checkpoint_flags(table)
     _precision_flags(table)
     _kernel_flags(table)
+    _recompute_flags(table)
     _logging_flags(table)
     _compat_training_flags(table)
     _compat_io_flags(table)
@@ -483,6 +485,32 @@ def _kernel_flags(t: FlagTable) -> None:
         default="local",
         choices=TRANSFORMER_IMPLS,
         help="transformer_engine: decoder layers from Transformer Engine >= 2.3 (CUDA, tp 1), W runs its backward_dw",
+    )
+
+
+def _recompute_flags(t: FlagTable) -> None:
+    g = t.parser.add_argument_group("activation recomputation (megatron.config.recompute; docs/recompute.md)")
+    t.add(g, "--recompute-activations", switch=True, help="recompute the core attention at B (= granularity selective)")
+    t.add(
+        g,
+        "--recompute-granularity",
+        default=None,
+        choices=RECOMPUTE_GRANULARITIES,
+        help="full: whole layers (see --recompute-method, --recompute-num-layers); selective: the core attention",
+    )
+    t.add(
+        g,
+        "--recompute-method",
+        default=None,
+        choices=RECOMPUTE_METHODS,
+        help="full: uniform = every run of N layers of a stage; block = the first N layers of each stage",
+    )
+    t.add(g, "--recompute-num-layers", type=positive_int, default=None, help="N of --recompute-method")
+    t.add(
+        g,
+        "--distribute-saved-activations",
+        switch=True,
+        help="full recompute with tp > 1: each tensor-parallel rank keeps 1/tp of a recomputed run's input",
     )
 
 

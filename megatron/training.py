@@ -178,6 +178,7 @@ def _startup_summary(tr: Trainer, logger: TrainingLogger, flops_per_iter: float)
             "kernels": run.kernels.describe(),
             **pipeline_summary(run, tr.pipeline),
             **_post_validation_summary(tr),
+            **run.recompute.summary(),
         },
     )
 

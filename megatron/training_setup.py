@@ -18,6 +18,7 @@ from megatron.data.loader import CyclicOrder
 from megatron.data.mock_data import MockGPTDataset
 from megatron.kernels.select import apply_kernels
 from megatron.model import build_gpt_model
+from megatron.model.recompute import apply_recompute
 from megatron.optimizer import DistributedOptimizer, LRScheduler, MainParamOptimizer
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.data_parallel import DataParallelReducer
@@ -122,6 +123,7 @@ def setup(run: RunConfig, ctx: ParallelContext, *, train_data: Any = None, valid
         model = build_gpt_model(model_config, tp=ctx, sequence_parallel=run.parallel.sequence_parallel, seed=seed)
         model = model.to(device=ctx.device, dtype=run.precision.params_dtype)
     apply_kernels(model, run.kernels)  # --kernels: the fused ops' hooks (nothing for torch)
+    apply_recompute(model, run.recompute, ctx)  # --recompute-*: the units recomputed at B (nothing by default)
     optimizer = build_optimizer(run, ctx, model)
     reducer = optimizer.reducer
     post_validation = None

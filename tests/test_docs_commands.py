@@ -66,6 +66,7 @@ SLOW: dict[tuple[str, str], str] = {
     ("docs/training.md", "make_train.py"): "make train's 4 ranks for 4 iterations (~11 s)",
     ("docs/training.md", "--sequence-parallel"): "4 ranks, tp 2 x pp 2 (~10 s)",
     ("docs/training.md", "--schedule-file"): "2 ranks running a plan file (~6 s)",
+    ("docs/recompute.md", "--recompute-granularity"): "2 ranks, zb-h1 with full recomputation (~15 s)",
     ("docs/gpu.md", "--device cpu"): "the GPU check's measurement on CPU (~5 s)",
     ("docs/data.md", "prepare_default_corpus"): "builds the default corpus and its tokenizer (2-6 s)",
     ("docs/huggingface.md", "--export-hf"): "trains, generates twice, exports, loads in transformers, imports (~20 s)",

@@ -49,6 +49,12 @@ FIELD_OF = {
     "lr_warmup_samples": "warmup_and_decay",
     "lr_decay_samples": "warmup_and_decay",
     "lr_warmup_fraction": "warmup_and_decay",
+    # RecomputeConfig (megatron/config/recompute.py): the model reads the granularity as .selective and the method
+    # and layer count as .segments(...)
+    "recompute_activations": "selective",
+    "recompute_granularity": "selective",
+    "recompute_method": "segments",
+    "recompute_num_layers": "segments",
 }
 # Flags with no config field of their own, and why.
 NO_FIELD = {

@@ -19,10 +19,6 @@ from zb_pipeline.testing.harness import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Flags another branch implements (model variants: h/flags-model; recompute: h/recompute).  They stay in the flag
-# sets below; until those branches are merged they are filtered out here.  The lead empties this list after merging.
-NOT_YET_ON_THIS_BRANCH: tuple[str, ...] = ("--recompute-activations",)
-NOT_YET_TAKES_VALUE = {"--attention-backend"}
 
 MEGATRON_GPT3 = [
     # GPT_MODEL_ARGS
@@ -62,29 +58,15 @@ FORK_ZERO_BUBBLE = [
 ]  # fmt: skip
 
 
-def without_not_yet(argv: list[str]) -> list[str]:
-    """``argv`` less the flags of NOT_YET_ON_THIS_BRANCH (and their values)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in NOT_YET_ON_THIS_BRANCH:
-            skip = a in NOT_YET_TAKES_VALUE
-            continue
-        out.append(a)
-    return out
-
-
 def _run(argv: list[str]) -> tuple[str, str]:
-    res = run_torchrun(["pretrain_gpt.py", *without_not_yet(argv)], 2, timeout_s=400, cwd=ROOT)
+    res = run_torchrun(["pretrain_gpt.py", *argv], 2, timeout_s=400, cwd=ROOT)
     assert not res.timed_out and res.returncode == 0, res.stderr[-3000:]
     text = res.stdout + res.stderr
     assert "unrecognized arguments" not in text and "unknown" not in text.lower()
     warned = {line.split()[1] for line in res.stderr.splitlines() if line.startswith("warning: --")}
     given = {a for a in argv if a.startswith("--")}
     assert warned <= set(KNOWN_IGNORED_FLAGS) | {"--lr-warmup-fraction", "--save-interval"}
-    assert {f for f in given if f in KNOWN_IGNORED_FLAGS} <= warned | set(NOT_YET_ON_THIS_BRANCH)
+    assert {f for f in given if f in KNOWN_IGNORED_FLAGS} <= warned
     return res.stdout, res.stderr
 
 

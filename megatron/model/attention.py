@@ -24,6 +24,7 @@ from megatron.model.kv_cache import LayerKVCache
 from megatron.model.norms import build_norm
 from megatron.model.rope import apply_rotary
 from megatron.parallel.tensor_parallel import ColumnParallelLinear, HasTensorParallel, RowParallelLinear
+from zb_pipeline.runtime.recompute import recompute
 
 
 class SelfAttention(torch.nn.Module):
@@ -34,6 +35,7 @@ class SelfAttention(torch.nn.Module):
         self.groups = config.num_query_groups // tp.tp_size  # query groups on this rank
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.dropout_p = config.attention_dropout
+        self.recompute_core = False  # selective recomputation (megatron.model.recompute): attend() again at B
         bias = config.add_bias_linear
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, config.qkv_projection_size, tp=tp, bias=bias, sequence_parallel=sequence_parallel
@@ -62,18 +64,53 @@ class SelfAttention(torch.nn.Module):
             shape = dict(groups=self.groups, heads_per_group=self.heads_per_group, head_dim=self.head_dim)
             norms = dict(q_norm=self.q_layernorm, k_norm=self.k_layernorm)
             return self.linear_proj(attend_cached(qkv, kv_cache, rotary=rotary, **shape, **norms))
-        out = attend(
+        dropout_p = self.dropout_p if self.training else 0.0
+        core = _CoreAttention(
+            self.groups,
+            self.heads_per_group,
+            self.head_dim,
+            dropout_p,
+            q_norm=self.q_layernorm,
+            k_norm=self.k_layernorm,
+            attention_mask=attention_mask,
+        )
+        if self.recompute_core:  # F keeps qkv (and rotary) only
+            out = recompute(core, qkv, *(rotary or ()), store=self.linear_qkv.weight_grad_store)
+        else:
+            out = core(qkv, *(rotary or ()))  # [s, b, nq * d]
+        return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
+
+
+class _CoreAttention:
+    """``attend`` with its sizes, q/k norms and mask bound: ``(qkv, *rotary) -> out`` (the unit selective
+    recomputation re-runs)."""
+
+    def __init__(
+        self,
+        groups: int,
+        heads_per_group: int,
+        head_dim: int,
+        dropout_p: float,
+        *,
+        q_norm: torch.nn.Module | None = None,
+        k_norm: torch.nn.Module | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> None:
+        self.groups, self.heads_per_group, self.head_dim, self.dropout_p = groups, heads_per_group, head_dim, dropout_p
+        self.q_norm, self.k_norm, self.attention_mask = q_norm, k_norm, attention_mask
+
+    def __call__(self, qkv: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        return attend(
             qkv,
             groups=self.groups,
             heads_per_group=self.heads_per_group,
             head_dim=self.head_dim,
-            rotary=rotary,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            q_norm=self.q_layernorm,
-            k_norm=self.k_layernorm,
-            attention_mask=attention_mask,
-        )  # [s, b, nq * d]
-        return self.linear_proj(out)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
+            rotary=(rotary[0], rotary[1]) if rotary else None,
+            dropout_p=self.dropout_p,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            attention_mask=self.attention_mask,
+        )
 
 
 def attend(

@@ -44,6 +44,8 @@ from megatron.parallel.tensor_parallel import (
     TPContext,
     vocab_parallel_cross_entropy,
 )
+from zb_pipeline.runtime.recompute import recompute
+from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 _LAYER_NAME = re.compile(r"^layers\.(\d+)\.")
@@ -87,6 +89,11 @@ class GPTStage(torch.nn.Module):
         self.final_layernorm = None
         self.output_layer = None
         self.cross_entropy_kernel = None  # a fused vocab-parallel cross-entropy (megatron.kernels.select); None: torch
+        # Runs (start, stop) of local layers recomputed at backward, and what F keeps of a run's input
+        # (megatron.model.recompute.apply_recompute sets them; () : none)
+        self.recompute_segments: tuple[tuple[int, int], ...] = ()
+        self.recompute_options: dict = {}
+        self.weight_grad_store: WeightGradStore | None = None  # bound by the runtime; recompute reports to it
         self.shares_embedding_in_stage = post_process and pre_process and config.tied_embeddings
         if post_process:
             self.final_layernorm = build_norm(
@@ -150,8 +157,7 @@ class GPTStage(torch.nn.Module):
         rotary = None
         if self.rotary is not None:
             rotary = self.rotary(seq_len, device=x.device, dtype=x.dtype, position_ids=position_ids)
-        for layer in self.layers:
-            x = layer(x, rotary) if attention_mask is None else layer(x, rotary, attention_mask)
+        x = self._layers(x, rotary, attention_mask)
         return self._head(x, labels)
 
     def _forward_cached(self, inputs: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
@@ -180,6 +186,36 @@ class GPTStage(torch.nn.Module):
             logits, labels.t(), self.tp, vocab_size=self.config.vocab_size, kernel=self.cross_entropy_kernel
         )
         return loss.t()  # [b, s]
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The transformer layers in order; each run in ``recompute_segments`` keeps only its input for backward."""
+        done = 0
+        for start, stop in self.recompute_segments:
+            x = _LayerRun(self.layers[done:start], attention_mask)(x, *(rotary or ()))
+            run = _LayerRun(self.layers[start:stop], attention_mask)
+            x = recompute(run, x, *(rotary or ()), store=self.weight_grad_store, **self.recompute_options)
+            done = stop
+        return _LayerRun(self.layers[done:], attention_mask)(x, *(rotary or ()))
+
+
+class _LayerRun:
+    """Layers applied in order to ``(x, *rotary)`` under one attention mask (None: causal): the function a
+    recomputed run re-runs at backward."""
+
+    def __init__(self, layers: Sequence[torch.nn.Module], attention_mask: torch.Tensor | None = None) -> None:
+        self.layers = list(layers)
+        self.attention_mask = attention_mask
+
+    def __call__(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
+        rot = (rotary[0], rotary[1]) if rotary else None
+        for layer in self.layers:
+            x = layer(x, rot) if self.attention_mask is None else layer(x, rot, self.attention_mask)
+        return x
 
 
 def stage_layer_ranges(

@@ -7,7 +7,10 @@ Two sources, chosen per run:
 - ``"saved-tensors"`` (CPU): the bytes of the distinct storages a microbatch keeps alive, namely the tensors
   autograd has saved in the graph F built (read from the graph, parameters excluded, for as long as autograd keeps
   them) plus the tensors held by the deferred weight-gradient work B enqueued, until W runs it.  The rank's resident
-  bytes after every action are summed; their maximum is the iteration's peak.
+  bytes after every action are summed; their maximum is the iteration's peak.  With activation recomputation a B
+  also holds, while it runs, the graph it rebuilds for one segment: at each recompute (``WeightGradStore.
+  on_recompute``) the rank's live storages plus that graph's are counted, and the B's *transient* is the most of
+  that above the rank's sum before the B (``transient``; it enters the peak too).
 
 ``"none"`` records nothing (an iteration's peak is then 0).  ``ActivationMemory`` holds the samples;
 ``ActionProfiler`` (``zb_pipeline.runtime.profiler``) tells it when iterations and actions begin and end.
@@ -124,6 +127,8 @@ class ActivationMemory:
         self.param_ptrs = param_ptrs
         self.mem: dict[tuple[Kind, int], list[float]] = {}  # (kind, stage) -> bytes added by each action
         self.residual: dict[int, list[float]] = {}  # stage -> bytes a microbatch still held after its W
+        # (B or BW, stage) -> bytes it held above the sum before it (recompute)
+        self.transient: dict[tuple[Kind, int], list[float]] = {}
         self.peaks: list[float] = []  # one per profiled iteration
         self._roots: dict[tuple[int, int], Any] = {}  # key -> what F saved for backward (autograd edge/tensor)
         self._work: dict[tuple[int, int], list[Callable[[], None]]] = {}  # key -> deferred W work objects
@@ -131,6 +136,9 @@ class ActivationMemory:
         self._peak = 0.0
         self._cuda_base = 0
         self._iteration_open = False
+        self._in_b: tuple[int, int] | None = None  # the B (or BW) running now (saved-tensor source)
+        self._b_kind = Kind.B
+        self._b_high = 0.0  # the most the rank held during it
 
     @property
     def saved_tensors(self) -> bool:
@@ -161,9 +169,29 @@ class ActivationMemory:
         self.peaks.append(self._peak)
 
     # -- actions ----------------------------------------------------------------------------------------------
-    def before_action(self) -> int:
+    def before_action(self, kind: Kind | None = None, key: tuple[int, int] | None = None) -> int:
         """What ``after_action`` needs from before the action: the allocated bytes (CUDA), else 0."""
-        return torch.cuda.memory_allocated(self.device) if self.source == "cuda" else 0
+        if self.source == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        if self.source == "saved-tensors" and kind in (Kind.B, Kind.BW):
+            self._in_b, self._b_high, self._b_kind = key, 0.0, kind
+        return 0
+
+    def recomputed(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        """B has rebuilt a segment's graph behind ``outputs``: count the rank's live bytes with it."""
+        key = self._in_b
+        if key is None or not self.saved_tensors:
+            return
+        found: list = []
+        for out in outputs:
+            graph_saved_tensors(out, found)
+        storages = self._storages(key)
+        for t in found:
+            ptr, nbytes = storage_key(t)
+            if ptr not in self.param_ptrs and nbytes > 0:
+                storages[ptr] = nbytes
+        held = sum(v for k, v in self._live.items() if k != key) + float(sum(storages.values()))
+        self._b_high = max(self._b_high, held)
 
     def after_action(self, kind: Kind, key: tuple[int, int], before: int) -> None:
         """Record what action ``kind`` on microbatch ``key = (stage, microbatch)`` added (``before`` from
@@ -183,6 +211,9 @@ class ActivationMemory:
 
     def resident(self, key: tuple[int, int]) -> float:
         """Bytes of the distinct live storages microbatch ``key`` holds: saved in F, or held by its W work."""
+        return float(sum(self._storages(key).values()))
+
+    def _storages(self, key: tuple[int, int]) -> dict[int, int]:
         storages: dict[int, int] = {}
         found: list = []
         root = self._roots.get(key)
@@ -194,9 +225,14 @@ class ActivationMemory:
             ptr, nbytes = storage_key(t)
             if ptr not in self.param_ptrs and nbytes > 0:
                 storages[ptr] = nbytes
-        return float(sum(storages.values()))
+        return storages
 
     def _account(self, kind: Kind, key: tuple[int, int]) -> None:
+        if self._in_b is not None:
+            before = sum(self._live.values())
+            self.transient.setdefault((self._b_kind, key[0]), []).append(max(0.0, self._b_high - before))
+            self._peak = max(self._peak, self._b_high)
+            self._in_b = None
         if kind in _FREES:
             self._work.pop(key, None)
         live = self.resident(key)

@@ -81,7 +81,8 @@ def _default_forward(module: torch.nn.Module, x: torch.Tensor, stage: int, micro
 
 
 def _has_deferrable_layers(module: torch.nn.Module) -> bool:
-    return any(hasattr(sub, "weight_grad_store") for sub in module.modules())
+    # A recompute wrapper holds a store only to report to it and to follow the generic split: not a layer.
+    return any(hasattr(sub, "weight_grad_store") and not getattr(sub, "store_only", False) for sub in module.modules())
 
 
 class PipelineExecutor:

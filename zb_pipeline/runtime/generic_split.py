@@ -249,4 +249,11 @@ class GenericSplit:
         grad_outputs: Sequence[torch.Tensor | None],
         inputs: Sequence[torch.Tensor],
     ) -> tuple[torch.Tensor | None, ...]:
-        return split_backward(outputs, grad_outputs, inputs, self.params, self.store)
+        store = self.store
+        if store is None:
+            return split_backward(outputs, grad_outputs, inputs, self.params, store)
+        store.split_autograd_params = True
+        try:
+            return split_backward(outputs, grad_outputs, inputs, self.params, store)
+        finally:
+            store.split_autograd_params = False

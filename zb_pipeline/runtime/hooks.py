@@ -25,7 +25,8 @@ plan_changed        after the runtime loaded another plan       ``(lowered)``
 Action handlers are the other extension point: ``set_handler(kind, fn)`` registers a handler for a new kind or
 replaces one (emulated compute), ``wrap_handler(kind, wrapper)`` wraps the current one (the profiler).  Both live
 on ``PipelineExecutor`` and ``PipelineRuntime``.  ``WeightGradStore.on_submit`` sees each deferred weight-gradient
-work item as it is queued.
+work item as it is queued, and ``WeightGradStore.on_recompute`` each segment B has just rebuilt (activation
+recomputation, ``zb_pipeline.runtime.recompute``).
 """
 
 from __future__ import annotations

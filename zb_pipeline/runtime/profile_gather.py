@@ -44,6 +44,7 @@ def local_summary(
     mem: Mapping[tuple[Kind, int], Sequence[float]],
     residual: Mapping[int, Sequence[float]],
     gaps: Sequence[float],
+    transient: Mapping[tuple[Kind, int], Sequence[float]] | None = None,
     peaks: Sequence[float],
     statistic: str = "median",
 ) -> dict[str, Any]:
@@ -56,6 +57,8 @@ def local_summary(
         entry = {k.value: summarise(times.get((k, s), []), statistic) for k in COMPUTE_KINDS}
         entry.update({"mem_" + k.value: summarise(mem.get((k, s), [])) for k in COMPUTE_KINDS})
         entry["residual"] = summarise(residual.get(s, [])) or 0.0
+        for k in (Kind.B, Kind.BW):  # None: no such action ran
+            entry[f"mem_{k.value}_transient"] = summarise((transient or {}).get((k, s), []))
         entry["samples"] = len(times.get((Kind.F, s), []))
         out["stages"][s] = entry
     out["gap"] = summarise(gaps, statistic)
@@ -148,6 +151,8 @@ def gather(
         mem_b=mem_b,
         mem_w=tuple(-(x + y) for x, y in zip(mem_f, mem_b)),
         residual=tuple(float(v) for v in col("residual")),
+        mem_b_transient=_transients(per_stage, S, "mem_B_transient", "mem_BW_transient"),
+        mem_bw_transient=_transients(per_stage, S, "mem_BW_transient", "mem_B_transient"),
         peak_bytes=tuple(peaks),
         samples=tuple(int(v) for v in col("samples")),
         schedule=sched.name,
@@ -219,3 +224,13 @@ def measure_p2p_latency(
     comm.all_gather_object(gathered, mine, group=group)
     values = [v for vs in gathered for v in vs]
     return float(statistics.median(values)) if values else 0.0
+
+
+def _transients(per_stage: Mapping[int, Mapping[str, Any]], n: int, name: str, fallback: str) -> tuple[float, ...]:
+    """Each stage's B (or BW) transient; a stage that ran only the other kind takes that one's (a B's, which also
+    holds its queued W work, bounds a BW's)."""
+    out = []
+    for s in range(n):
+        v = per_stage[s].get(name)
+        out.append(float(v if v is not None else (per_stage[s].get(fallback) or 0.0)))
+    return tuple(out)

@@ -82,6 +82,10 @@ class ActionProfiler:
         return self.activation.residual
 
     @property
+    def transient(self) -> dict[tuple[Kind, int], list[float]]:
+        return self.activation.transient
+
+    @property
     def peaks(self) -> list[float]:
         return self.activation.peaks
 
@@ -103,7 +107,13 @@ class ActionProfiler:
                 self.activation.hold_work(store.active_key, work)
 
         store.on_submit.append(submitted)
+        if self.activation.saved_tensors:
+            store.on_recompute.append(self._recomputed)
         ex.hooks.iteration_start.append(self._begin_iteration)
+
+    def _recomputed(self, outputs: tuple[torch.Tensor, ...]) -> None:
+        if self.active and self._in_action:
+            self.activation.recomputed(outputs)
 
     def _begin_iteration(self, ex: PipelineExecutor) -> None:
         self.activation.close_iteration()
@@ -136,7 +146,7 @@ class ActionProfiler:
             called = time.perf_counter()
             if self._prev_end is not None and not self.cuda:
                 self.gaps.append(max(0.0, called - self._prev_end - self._own_time) * 1e3)
-            before = self.activation.before_action()
+            before = self.activation.before_action(kind, (a.stage, a.microbatch))
             self._in_action = True
             self._start = self._now()
             try:
@@ -177,6 +187,7 @@ class ActionProfiler:
             times=self.times,
             mem=self.mem,
             residual=self.residual,
+            transient=self.transient,
             gaps=self.gaps,
             peaks=self.peaks,
             statistic=statistic,

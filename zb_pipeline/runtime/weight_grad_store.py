@@ -38,6 +38,12 @@ class WeightGradStore:
         self._active: WeightGradKey | None = None
         # Called with each work item queued under a key (before it is queued): the profiler's memory accounting.
         self.on_submit: list[Callable[[WeightGradWork], None]] = []
+        # True while a generic split's B runs: a recompute segment (``zb_pipeline.runtime.recompute``) then defers
+        # its plain autograd parameters to W as the split does, instead of computing them in B.
+        self.split_autograd_params = False
+        # Called with a recomputed segment's outputs once B has rebuilt its graph, before backpropagating through it
+        # (``zb_pipeline.runtime.recompute``): the profiler measures the transient there.
+        self.on_recompute: list[Callable[[tuple[torch.Tensor, ...]], None]] = []
 
     # -- B side -------------------------------------------------------------------------------------------------
     @contextmanager

@@ -6,8 +6,12 @@ Costs are given the way users think of them (see ``StageCosts.build``):
 - a list with one number per virtual stage: each chunk gets its own cost.
 
 Memory follows the same rule.  The model: F adds ``mem_f``, B adds ``mem_b``, W adds ``mem_w`` and
-``mem_f + mem_b + mem_w == 0`` (a fused BW adds ``mem_b + mem_w``).  The default ``mem_b = 0, mem_w = -mem_f``
-counts a microbatch as resident from its F until its W, the conservative reading used for the schedules' bounds.
+``mem_f + mem_b + mem_w == 0`` (a fused BW adds ``mem_b + mem_w``).  ``mem_b_transient`` (default 0) is what a B
+holds *while it runs* above the sum before it: the activations activation recomputation rebuilds for one segment
+(``zb_pipeline.runtime.recompute``), freed again before the B ends, plus the W work it has queued by then;
+``mem_bw_transient`` (default: ``mem_b_transient``) the same for a fused BW, which queues nothing.  The default
+``mem_b = 0, mem_w = -mem_f`` counts a microbatch as resident from its F until its W, the conservative reading used
+for the schedules' bounds.
 
 ``overlap`` prices an overlapped pair (``ir.PairAction``, DualPipe's F&B: a forward and a full backward run together
 on one rank): it costs ``max(overlap * (f + b + w), f, b + w)`` of its halves' stages -- never less than its longer
@@ -37,9 +41,19 @@ class StageCosts:
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
     overlap: float = 1.0  # an F+BW pair costs overlap * (f + b + w), at least its longer half (module docstring)
+    mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recompute); () = zeros
+    mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
 
     def __post_init__(self) -> None:
         n = len(self.f)
+        if not self.mem_b_transient:
+            object.__setattr__(self, "mem_b_transient", (0.0,) * n)
+        if not self.mem_bw_transient:
+            object.__setattr__(self, "mem_bw_transient", self.mem_b_transient)
+        for name in ("mem_b_transient", "mem_bw_transient"):
+            t = getattr(self, name)
+            if len(t) != n or any(not (math.isfinite(v) and v >= 0) for v in t):
+                raise ValueError(f"{name} {t} must be {n} finite values >= 0")
         for name in ("b", "w", "mem_f", "mem_b", "mem_w"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"StageCosts.{name} has {len(getattr(self, name))} entries, expected {n}")
@@ -88,6 +102,8 @@ class StageCosts:
         mem_b: CostSpec | None = None,
         mem_w: CostSpec | None = None,
         overlap: Number = 1.0,
+        mem_b_transient: CostSpec = 0.0,
+        mem_bw_transient: CostSpec | None = None,
     ) -> StageCosts:
         """Expand user-style specs to per-virtual-stage tuples.
 
@@ -129,7 +145,20 @@ class StageCosts:
             mw = tuple(-(x + y) for x, y in zip(mf, mb, strict=True))
         else:
             mw = expand("mem_w", mem_w)
-        return cls(f=fs, b=bs, w=ws, comm=float(comm), mem_f=mf, mem_b=mb, mem_w=mw, overlap=float(overlap))
+        mt = expand("mem_b_transient", mem_b_transient)
+        mtw = mt if mem_bw_transient is None else expand("mem_bw_transient", mem_bw_transient)
+        return cls(
+            f=fs,
+            b=bs,
+            w=ws,
+            comm=float(comm),
+            mem_f=mf,
+            mem_b=mb,
+            mem_w=mw,
+            overlap=float(overlap),
+            mem_b_transient=mt,
+            mem_bw_transient=mtw,
+        )
 
     @classmethod
     def uniform(

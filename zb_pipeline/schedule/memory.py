@@ -3,9 +3,11 @@
 Deltas come from ``StageCosts``: ``mem_f``, ``mem_b``, ``mem_w`` per virtual stage, and ``mem_b + mem_w`` for a
 fused ``BW``.  An overlapped pair (``ir.PairAction``) adds its F's and its BW's; its entry in the running sum is the
 sum inside it, after the F and before the BW frees (the runtime runs them back to back; two streams would hold both
-at once), which is its peak.  A rank starts at 0; communication actions add nothing.  ``running_memory`` is the one
-implementation of the sum (one rank's actions in order), ``order_peak`` its peak, ``peak_memory`` the peak of every
-rank of a plan; the simulator, the validator and the generators all ask these.
+at once), which is its peak.  A ``B`` (``BW``) also holds ``mem_b_transient`` (``mem_bw_transient``) of its stage
+above the sum before it while it runs (recomputation); its entry is the larger of that and the sum after it.  A rank
+starts at 0; communication actions add nothing.  ``running_memory`` is the one implementation of the sum (one rank's
+actions in order), ``order_peak`` its peak, ``peak_memory`` the peak of every rank of a plan; the simulator, the
+validator and the generators all ask these.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ def running_memory(actions: Iterable[PlanAction], costs: StageCosts) -> list[flo
     """One rank's running sum of memory deltas after each of ``actions`` (a communication action repeats the sum
     before it; a pair gives the sum inside it, after its F): the one place the deltas are summed."""
     mf, mb, mw = costs.mem_f, costs.mem_b, costs.mem_w
+    if any(costs.mem_b_transient) or any(costs.mem_bw_transient):
+        return _running_memory_transient(actions, costs)
     sums: list[float] = []
     append = sums.append
     cur = 0.0
@@ -45,6 +49,33 @@ def running_memory(actions: Iterable[PlanAction], costs: StageCosts) -> list[flo
             append(max(inside, cur))
             continue
         append(cur)
+    return sums
+
+
+def _running_memory_transient(actions: Iterable[PlanAction], costs: StageCosts) -> list[float]:
+    """``running_memory`` when some B holds a transient above the sum before it (recomputation)."""
+    mf, mb, mw, mt, mtw = costs.mem_f, costs.mem_b, costs.mem_w, costs.mem_b_transient, costs.mem_bw_transient
+    sums: list[float] = []
+    cur = 0.0
+    for a in actions:
+        k = a.kind
+        if k is _PAIR:
+            f, b = a.forward.stage, a.backward.stage
+            inside = cur + mf[f]
+            cur = inside + mb[b] + mw[b]
+            sums.append(max(inside + mtw[b], cur))
+            continue
+        s = a.stage
+        if k is _F:
+            cur += mf[s]
+        elif k is _B or k is _BW:
+            before = cur
+            cur += mb[s] + (mw[s] if k is _BW else 0.0)
+            sums.append(max(before + (mtw[s] if k is _BW else mt[s]), cur))
+            continue
+        elif k is _W:
+            cur += mw[s]
+        sums.append(cur)
     return sums
 
 

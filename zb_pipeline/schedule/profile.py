@@ -61,6 +61,8 @@ class Profile:
     device: str = "cpu"
     overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (its gap; 0 = not measured)
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
+    mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
+    mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
 
     @property
     def num_stages(self) -> int:
@@ -115,12 +117,15 @@ class Profile:
         bs, ws = zip(*(self._split(s, fused=fused) for s in range(self.num_stages)), strict=True)
         mf = tuple(float(v) for v in self.mem_f)
         mb = tuple(float(v) for v in self.mem_b)
+        mt = tuple(float(v) for v in self.mem_b_transient) or (0.0,) * self.num_stages
+        mtw = tuple(float(v) for v in self.mem_bw_transient) or mt
         fs = tuple(max(v, _MIN_COST_MS) for v in self.f)
         bs = tuple(max(v, _MIN_COST_MS) for v in bs)
         ws = tuple(max(v, _MIN_COST_MS) for v in ws)
         if target == tuple(self.stage_to_rank):
+            mw = tuple(-(x + y) for x, y in zip(mf, mb))
             return StageCosts(
-                f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=tuple(-(x + y) for x, y in zip(mf, mb))
+                f=fs, b=bs, w=ws, comm=self.comm, mem_f=mf, mem_b=mb, mem_w=mw, mem_b_transient=mt, mem_bw_transient=mtw
             )
 
         def share(values: Sequence[float]) -> list[float]:
@@ -139,6 +144,8 @@ class Profile:
             comm=self.comm,
             mem_f=share(mf),
             mem_b=share(mb),
+            mem_b_transient=share(mt),  # spread over the new chunks like the deltas
+            mem_bw_transient=share(mtw),
         )
 
     def microbatch_bytes(self) -> float:
@@ -220,10 +227,12 @@ def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = T
 
 
 def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
-    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank."""
+    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank (measured
+    with the run's recomputation in force), plus the largest transient a B holds while it recomputes, so that N keeps
+    counting pending microbatches."""
     if not n > 0:
         raise ValueError(f"memory limit of {n} microbatches must be > 0")
-    return float(n) * profile.microbatch_bytes()
+    return float(n) * profile.microbatch_bytes() + max(profile.mem_b_transient, default=0.0)
 
 
 def profile_is_finite(profile: Profile) -> bool:

@@ -47,7 +47,9 @@ from zb_pipeline.schedule.generators.zb_auto_passes import (
 )
 from zb_pipeline.schedule.generators.zb_auto_polish import POLISH_MAX_ACTIONS, improve_knobs, polish
 from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.registry import register
+from zb_pipeline.schedule.simulate import simulate
 
 # Search effort in simulated actions: about 0.2 s of C++ passes on the 2-core reference machine.
 SEARCH_BUDGET = 1.2e6
@@ -183,4 +185,26 @@ def zb_auto(p: int, m: int, *, chunks: int = 1, costs: StageCosts, mem_limit: fl
     """Searched zero-bubble plan: smallest makespan found under ``mem_limit`` (default: 2p - 1 microbatches)."""
     if chunks != 1:
         raise ValueError(f"zb-auto plans one chunk per rank, got {chunks=}; use zb-v for two chunks")
-    return search(p, m, costs, mem_limit).schedule
+    fused = _fused_candidate(p, m, costs, mem_limit)
+    if fused is None:
+        return search(p, m, costs, mem_limit).schedule
+    try:
+        plan = search(p, m, costs, mem_limit).schedule
+    except ValueError:  # below one split microbatch: only the fused plan fits
+        return fused
+    span = simulate(plan, costs).makespan
+    return fused if simulate(fused, costs).makespan < span - tol(span) else plan
+
+
+def _fused_candidate(p: int, m: int, costs: StageCosts, mem_limit: float | None) -> Schedule | None:
+    """With recomputation (a B transient) a split microbatch holds its W's recomputed GEMM operands until W, more
+    than F keeps; under a limit near 1F1B's peak the fused plan (1F1B, every backward a BW) may be the only one that
+    fits, or the faster one.  It is a candidate then, named zb-auto; without recomputation the search covers it."""
+    if mem_limit is None or not any(costs.mem_b_transient):
+        return None
+    from zb_pipeline.schedule.generators.classic import one_f_one_b  # classic imports nothing of zb-auto's
+
+    plan = one_f_one_b(p, m, costs=costs)
+    if max(peak_memory(plan, costs)) > mem_limit * (1 + 1e-9):
+        return None
+    return replace(plan, name="zb-auto")

@@ -5,7 +5,9 @@ Memory limit
 ``mem_limit`` is per rank in the units of the memory deltas.  ``None`` means 2p - 1 microbatches' worth:
 ``(2p - 1) * max(mem_f, mem_f + mem_b)`` of the rank's stage, ZB-H2's budget.  A limit below one microbatch
 (``max(mem_f, mem_f + mem_b)`` on some rank) can serve no plan: ``ValueError`` names the smallest limit that works
-(``smallest_feasible_mem_limit``).
+(``smallest_feasible_mem_limit``).  With recomputation a B holds ``mem_b_transient`` above the sum before it while it
+runs, so each rank's cap on what stays resident is the limit minus its stage's transient: the peak, transient
+included (``memory.running_memory``), then stays within the limit.
 
 Lower bound
 -----------
@@ -23,11 +25,12 @@ from zb_pipeline.schedule.generators.zb_auto_passes import EPS, StageArrays
 
 def smallest_feasible_mem_limit(costs: StageCosts) -> float:
     """The smallest per-rank limit any plan can use: one microbatch resident (``max(mem_f, mem_f + mem_b)``)."""
-    return max(max(0.0, mf, mf + mb) for mf, mb in zip(costs.mem_f, costs.mem_b))
+    t = costs.mem_b_transient
+    return max(max(0.0, mf, mf + mb) + t[r] for r, (mf, mb) in enumerate(zip(costs.mem_f, costs.mem_b)))
 
 
 def default_mem_limit(p: int, costs: StageCosts) -> tuple[float, ...]:
-    """``mem_limit=None``: 2p - 1 microbatches' worth on every rank (ZB-H2's budget)."""
+    """``mem_limit=None``: 2p - 1 microbatches' worth on every rank (ZB-H2's budget), as resident caps."""
     return tuple((2 * p - 1) * max(0.0, mf, mf + mb) for mf, mb in zip(costs.mem_f, costs.mem_b))
 
 
@@ -41,7 +44,7 @@ def resolve_mem_limit(p: int, costs: StageCosts, mem_limit: float | None) -> tup
             f"zb-auto: mem_limit={mem_limit} is below one microbatch on some rank; the smallest limit that works "
             f"is {need:g} (units of the memory deltas)"
         )
-    return (float(mem_limit),) * p
+    return tuple(float(mem_limit) - t for t in costs.mem_b_transient)
 
 
 def lower_bound(m: int, st: StageArrays) -> float:

@@ -1,0 +1,127 @@
+"""Activation recomputation: Megatron's ``--recompute-*`` flags and ``--distribute-saved-activations``.
+
+* ``granularity``: ``None`` (off), ``"selective"`` (the core attention of every layer: from the fused QKV projection
+  to the attention output, i.e. rotary, scores, softmax, dropout and the weighted sum; ``--recompute-activations``
+  is its shorthand) or ``"full"`` (whole transformer layers, chosen by ``method``).
+* ``method`` (full only): ``"uniform"`` splits each stage's layers into runs of ``num_layers`` and recomputes every
+  run (F keeps one input per run); ``"block"`` recomputes the first ``num_layers`` layers of each stage, one by one,
+  and keeps the rest's activations.  As in Megatron, "stage" means a virtual pipeline stage.
+* ``distribute_saved_activations`` (full, tp > 1, not with sequence parallelism): each tensor-parallel rank keeps only
+  its ``1/tp`` slice of a recomputed run's input and all-gathers it at B.
+
+Validation that needs only the flags lives here; ``megatron.arguments._recompute_config`` checks ``num_layers``
+against the stages' layer counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.config.errors import require
+
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    distribute_saved_activations: bool = False
+
+    def __post_init__(self) -> None:
+        g, m, n = self.granularity, self.method, self.num_layers
+        require(g is None or g in RECOMPUTE_GRANULARITIES, f"--recompute-granularity={g!r} must be full or selective")
+        require(m is None or m in RECOMPUTE_METHODS, f"--recompute-method={m!r} must be uniform or block")
+        if g == "full":
+            require(
+                m is not None and n is not None,
+                "--recompute-granularity full needs --recompute-method {uniform,block} and --recompute-num-layers N",
+            )
+        else:
+            require(
+                m is None and n is None,
+                f"--recompute-method/--recompute-num-layers apply to --recompute-granularity full, not {g or 'none'}; "
+                "drop them or use full granularity",
+            )
+        require(n is None or n >= 1, f"--recompute-num-layers={n} must be >= 1")
+        require(
+            not self.distribute_saved_activations or g == "full",
+            "--distribute-saved-activations needs --recompute-granularity full",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.granularity is not None
+
+    @property
+    def full(self) -> bool:
+        return self.granularity == "full"
+
+    @property
+    def selective(self) -> bool:
+        return self.granularity == "selective"
+
+    def summary(self) -> dict[str, str]:
+        """The start-up summary's line (none when recomputation is off)."""
+        if not self.enabled:
+            return {}
+        if self.selective:
+            what = "selective (core attention)"
+        else:
+            what = f"full, {self.method}, {self.num_layers} layer(s)"
+            what += ", saved inputs distributed over tp" if self.distribute_saved_activations else ""
+        return {"activation recomputation": what + "; B recomputes, W never does"}
+
+    def segments(self, num_layers: int) -> tuple[tuple[int, int], ...]:
+        """The runs ``(start, stop)`` of a stage's ``num_layers`` local layers that are recomputed as one unit."""
+        if not self.full:
+            return ()
+        n = self.num_layers
+        if self.method == "uniform":
+            return tuple((i, min(i + n, num_layers)) for i in range(0, num_layers, n))
+        return tuple((i, i + 1) for i in range(min(n, num_layers)))
+
+    def check(self, *, tp: int, sequence_parallel: bool, stage_layers: tuple[int, ...], transformer_impl: str) -> None:
+        """What needs the run's shape: tp, sequence parallelism, each (virtual) stage's layer count."""
+        if self.distribute_saved_activations:
+            require(tp > 1, "--distribute-saved-activations needs --tensor-model-parallel-size > 1")
+            require(
+                not sequence_parallel,
+                "--distribute-saved-activations does not combine with --sequence-parallel (the saved input is "
+                "already split over tp); drop one of them",
+            )
+        if self.enabled:
+            require(
+                transformer_impl == "local",
+                "activation recomputation needs --transformer-impl local (Transformer Engine layers keep their own "
+                "weight-gradient state)",
+            )
+        if self.full:
+            fewest = min(stage_layers, default=0)
+            require(
+                self.num_layers <= fewest,
+                f"--recompute-num-layers={self.num_layers} is more than the {fewest} layers of a pipeline stage; "
+                f"use at most {fewest}",
+            )
+
+    @classmethod
+    def from_flags(cls, v: Mapping[str, Any]) -> RecomputeConfig:
+        """From the parsed flag values; ``--recompute-activations`` is selective granularity."""
+        granularity = v.get("recompute_granularity")
+        if v.get("recompute_activations"):
+            require(
+                granularity in (None, "selective"),
+                f"--recompute-activations (selective) contradicts --recompute-granularity {granularity}; "
+                "give one of them",
+            )
+            granularity = "selective"
+        return cls(
+            granularity=granularity,
+            method=v.get("recompute_method"),
+            num_layers=v.get("recompute_num_layers"),
+            distribute_saved_activations=bool(v.get("distribute_saved_activations", False)),
+        )

@@ -1,0 +1,191 @@
+"""The memory model under activation recomputation (CPU, the profiler's saved-tensor bytes), on GPT stages.
+
+Two ranks run one profiled iteration of each schedule with and without recompute; from each run's ``Profile``:
+- the simulator's predicted peak (``peak_memory`` under the profiled deltas and B transients) equals the measured
+  peak of every rank within 5% (tolerance fixed before measuring; it comes out exact);
+- recompute shrinks what F keeps; with full recompute 1F1B's peak on rank r is at most (p - r) microbatches of what
+  F keeps plus one B's transient; a split schedule's peak is what F keeps plus what the pending W's hold;
+- zb-auto with full recompute, limited to 1F1B-with-full-recompute's measured peak, simulates no slower than 1F1B
+  with full recompute, and its plan's predicted peak stays within that limit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zb_pipeline.testing.harness import run_multiprocess
+
+P, M = 2, 4
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "zb-auto")
+RECOMPUTE = {
+    "none": {},
+    "selective": {"granularity": "selective"},
+    "full": {"granularity": "full", "method": "uniform", "num_layers": 1},
+    "block": {"granularity": "full", "method": "block", "num_layers": 1},
+}
+TOL = 0.05
+
+
+def _cfg():
+    from megatron.model.config import GPTConfig
+
+    return GPTConfig(
+        num_layers=4, hidden_size=32, num_attention_heads=2, vocab_size=120, seq_length=16,
+        attention_dropout=0.1, hidden_dropout=0.1, untie_embeddings_and_output_weights=True,
+    )  # fmt: skip
+
+
+def _profile_one(rank: int, name: str, recompute: dict) -> dict:
+    from megatron.config.recompute import RecomputeConfig
+    from megatron.model.gpt import build_gpt_stages
+    from megatron.model.recompute import apply_recompute
+    from zb_pipeline.runtime.executor import PipelineExecutor
+    from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+    from zb_pipeline.runtime.profiler import ActionProfiler
+    from zb_pipeline.schedule.lowering import lower
+    from zb_pipeline.schedule.plan_file import plan_to_dict
+    from zb_pipeline.schedule.registry import generate
+
+    cfg = _cfg()
+    sched = generate(name, P, M)
+    S = sched.num_stages
+    mine = sched.stages_of(rank)
+    mods = build_gpt_stages(cfg, S, stages=mine, seed=5)
+    for mod in mods:
+        apply_recompute(mod, RecomputeConfig(**recompute))
+    stages = dict(zip(mine, mods))
+
+    def tokens(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(mb))
+        return t[:, :-1], t[:, 1:]
+
+    def forward_fn(module, x, s, mb):
+        return module(x, labels=tokens(mb)[1]) if s == S - 1 else module(x)
+
+    def loss_fn(out, mb):
+        loss = out.mean()
+        return loss / M, loss
+
+    specs = [TensorSpec((cfg.seq_length, 2, cfg.hidden_size))] * (S - 1)
+    p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=60)
+    ex = PipelineExecutor(
+        lower(sched), rank, stages, p2p=p2p, input_fn=lambda mb: tokens(mb)[0], loss_fn=loss_fn, forward_fn=forward_fn
+    )
+    prof = ActionProfiler(ex, start_iter=0, end_iter=1, memory="saved-tensors")
+    ex.run(0)
+    return {"profile": prof.gather(comm_ms=0.0).to_dict(), "plan": plan_to_dict(sched)}
+
+
+# make test: every schedule without and with full recompute, selective and block on ZB-H1 and 1F1B; the rest slow
+FAST_CASES = [(n, rc) for n in SCHEDULES for rc in ("none", "full")] + [
+    (n, rc) for n in ("zb-h1", "1f1b") for rc in ("selective", "block")
+]
+
+
+def _memory_rank(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
+    torch.set_num_threads(1)
+    return {(name, rc): _profile_one(rank, name, RECOMPUTE[rc]) for name, rc in cases}
+
+
+def _run(cases: list[tuple[str, str]]) -> dict:
+    from zb_pipeline.schedule.plan_file import plan_from_dict
+    from zb_pipeline.schedule.profile import Profile
+
+    got = run_multiprocess(_memory_rank, P, args=(cases,), timeout_s=300)[0]
+    return {k: (Profile.from_dict(v["profile"]), plan_from_dict(v["plan"])) for k, v in got.items()}
+
+
+@pytest.fixture(scope="module")
+def profiles() -> dict:
+    return _run(FAST_CASES)
+
+
+def _costs(prof, plan):
+    fused = not any(a.kind.value in ("B", "W") for acts in plan.ranks for a in acts)
+    return prof.to_stage_costs(fused=fused)
+
+
+def test_predicted_peak_equals_measured_for_every_schedule_with_and_without_recompute(profiles) -> None:
+    _check_predicted(profiles)
+
+
+@pytest.mark.slow
+def test_predicted_peak_equals_measured_every_granularity_slow() -> None:
+    rest = [(n, rc) for n in SCHEDULES for rc in RECOMPUTE if (n, rc) not in FAST_CASES]
+    _check_predicted(_run(rest))
+
+
+def _check_predicted(profiles: dict) -> None:
+    from zb_pipeline.schedule.memory import peak_memory
+
+    for (name, rc), (prof, plan) in profiles.items():
+        predicted = peak_memory(plan, _costs(prof, plan))
+        for r in range(P):
+            measured = prof.peak_bytes[r]
+            assert measured > 0 and abs(predicted[r] - measured) <= TOL * measured, (name, rc, r, predicted, measured)
+        if rc == "full":  # B rebuilds each layer beyond what it has freed
+            assert any(t > 0 for t in prof.mem_b_transient), (name, rc)
+        elif rc == "none":
+            assert not any(prof.mem_b_transient), name
+
+
+def test_recompute_keeps_less_in_f_and_bounds_1f1b(profiles) -> None:
+    for name, rc in FAST_CASES:
+        if rc != "none":
+            prof, plain = profiles[(name, rc)][0], profiles[(name, "none")][0]
+            assert all(a < b for a, b in zip(prof.mem_f, plain.mem_f)), (name, rc, prof.mem_f, plain.mem_f)
+    for name in ("zb-h1", "1f1b"):
+        full = profiles[(name, "full")][0]
+        assert all(a <= b for a, b in zip(full.mem_f, profiles[(name, "selective")][0].mem_f)), name
+    prof, plan = profiles[("1f1b", "full")]
+    for r in range(P):
+        s = r  # 1F1B: one stage per rank
+        assert prof.peak_bytes[r] <= (P - r) * prof.mem_f[s] + prof.mem_b_transient[s], (r, prof.peak_bytes)
+    plain = profiles[("1f1b", "none")][0]
+    assert all(a < b for a, b in zip(prof.peak_bytes, plain.peak_bytes))
+
+
+def _held(prof, state: dict[tuple[int, int], str]) -> float:
+    """F's inputs of each microbatch past its F, plus its W's operands once past its B."""
+    return sum(prof.mem_f[s] + (prof.mem_b[s] if st == "W" else 0.0) for (s, _), st in state.items())
+
+
+def test_split_schedules_peak_is_f_inputs_plus_pending_w(profiles) -> None:
+    """Split schedules with full recompute: the measured peak is, at some point of the plan, the F inputs of the
+    microbatches between their F and B plus what each pending W holds (F inputs + its GEMM operands), plus a running
+    B's transient -- counted here directly from the plan, microbatch by microbatch."""
+    for name in ("zb-h1", "zb-h2", "zb-v", "zb-auto"):
+        prof, plan = profiles[(name, "full")]
+        for r in range(P):
+            state: dict[tuple[int, int], str] = {}
+            best = 0.0
+            for a in plan.ranks[r]:
+                s, key, kind = a.stage, (a.stage, a.microbatch), a.kind.value
+
+                if kind == "B":
+                    best = max(best, _held(prof, state) + prof.mem_b_transient[s])
+                    state[key] = "W"
+                elif kind == "F":
+                    state[key] = "F"
+                elif kind == "W":
+                    del state[key]
+                best = max(best, _held(prof, state))
+            assert best == pytest.approx(prof.peak_bytes[r], rel=TOL), (name, r, best, prof.peak_bytes)
+
+
+def test_zb_auto_within_1f1b_full_recompute_peak_is_no_slower(profiles) -> None:
+    from dataclasses import replace
+
+    from zb_pipeline.schedule.memory import peak_memory
+    from zb_pipeline.schedule.registry import generate
+    from zb_pipeline.schedule.simulate import simulate
+
+    prof_h1, _ = profiles[("zb-h1", "full")]
+    prof_1f1b, plan_1f1b = profiles[("1f1b", "full")]
+    # ZB-H1's profile has the split B and W times and B's transient, 1F1B's the fused BW's transient
+    costs = replace(prof_h1.to_stage_costs(), mem_bw_transient=prof_1f1b.mem_bw_transient)
+    for limit in (max(prof_1f1b.peak_bytes), max(profiles[("zb-h1", "full")][0].peak_bytes)):
+        auto = generate("zb-auto", P, M, costs=costs, mem_limit=limit)
+        assert max(peak_memory(auto, costs)) <= limit * (1 + 1e-9)
+        assert simulate(auto, costs).makespan <= simulate(plan_1f1b, costs).makespan + 1e-9
