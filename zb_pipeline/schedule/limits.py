@@ -33,7 +33,7 @@ from zb_pipeline.schedule.costs import StageCosts
 MAX_RANKS = 4096
 MAX_MICROBATCHES = 65536
 MAX_ACTIONS = 4_000_000
-MAX_EXACT_ACTIONS = 20_000
+MAX_EXACT_ACTIONS = 5_000
 ACTIONS_PER_STAGE_AND_MICROBATCH = 3  # F, B and W (a fused BW counts as its B and its W)
 # A plan file's canonical text takes about 8 bytes per action; the bound leaves room for hand-written layouts.
 MAX_PLAN_FILE_BYTES = 32 * MAX_ACTIONS
