@@ -156,8 +156,55 @@ def dumps_plan(schedule: Schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _header(text: str) -> dict[str, Any]:
+    """The top-level members of a plan file's JSON that come before ``"ranks"`` (all of them in the canonical layout
+    but the action lists), decoded one by one without reading the actions; ``{}`` if the text is not that shape (the
+    full parse then says what is wrong)."""
+    decode, out = json.JSONDecoder().raw_decode, {}
+    ws = " \t\r\n"
+    try:
+        i = len(text) - len(text.lstrip(ws))
+        if text[i] != "{":
+            return {}
+        i += 1
+        while True:
+            while text[i] in ws:
+                i += 1
+            if text[i] != '"':
+                return out
+            key, i = decode(text, i)
+            while text[i] in ws:
+                i += 1
+            if text[i] != ":" or key == "ranks":
+                return out
+            i += 1
+            while text[i] in ws:
+                i += 1
+            out[key], i = decode(text, i)
+            while text[i] in ws:
+                i += 1
+            if text[i] != ",":
+                return out
+            i += 1
+    except (ValueError, IndexError):
+        return out
+
+
+def _check_header_size(text: str) -> None:
+    """The size limits from the header alone (ranks, stages, microbatches), before the action lists are parsed."""
+    head = _header(text)
+    p, S, m = (head.get(k) for k in ("num_ranks", "num_stages", "num_microbatches"))
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (p, S, m)):
+        try:
+            limits.check_plan_size(p, S, m, 0, what="the plan")
+        except limits.LimitError as e:
+            raise PlanFileError(str(e)) from None
+
+
 def loads_plan(text: str) -> Schedule:
-    """Parse plan-file text; raises ``PlanFileError`` (with line and column for broken JSON)."""
+    """Parse plan-file text; raises ``PlanFileError`` (with line and column for broken JSON).  A plan over the size
+    limits is refused from its header, before its actions are read (``limits``)."""
+    _check_header_size(text)
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
