@@ -9,6 +9,7 @@ send and the k-th receive are the same transfer; and the strict model (no buffer
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from zb_pipeline.schedule.ir import Action, Kind
@@ -91,8 +92,8 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
         pv_base,
         [-1] * (pv_base + 2 * p),
         [-1] * (pv_base + 2 * p),
-        {},
-        {},
+        defaultdict(list),
+        defaultdict(list),
         [[None] * len(steps) for steps in lowered.ranks],
     )
     sent, recvd, sends, recvs = ops.sent, ops.recvd, ops.sends, ops.recvs
@@ -111,9 +112,9 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                     tid = pv_base + mb * p + (r if is_send else peer)
                     (sent if is_send else recvd)[tid] = r * _BIG + j
                     if is_send:
-                        _append(sends, r * p + peer, (tid, j, slot))
+                        sends[r * p + peer].append((tid, j, slot))
                     else:
-                        _append(recvs, peer * p + r, (tid, j, slot))
+                        recvs[peer * p + r].append((tid, j, slot))
                     continue
                 sm = s * m + mb
                 if kind is _SEND_F:
@@ -132,21 +133,13 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                     if sent[tid] >= 0 or data[sm] > j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
                     sent[tid] = r * _BIG + j
-                    _append(sends, r * p + peer, (tid, j, slot))
+                    sends[r * p + peer].append((tid, j, slot))
                 else:
                     if recvd[tid] >= 0 or data[sm] < j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
                     recvd[tid] = r * _BIG + j
-                    _append(recvs, peer * p + r, (tid, j, slot))
+                    recvs[peer * p + r].append((tid, j, slot))
     return ops
-
-
-def _append(table: dict[int, list], key: int, item: tuple[int, int, int]) -> None:
-    got = table.get(key)
-    if got is None:
-        table[key] = [item]
-    else:
-        got.append(item)
 
 
 def _check_handoffs(lowered: LoweredSchedule, ops: _Ops, fstep: list[int], gstep: list[int]) -> None:
