@@ -1,20 +1,26 @@
 """Benchmark the pipeline schedules: bubble rates, zb-auto's search time and the V schedules' time and quality.
 
 The V sections: the V schedules' generation time (compiled passes and Python fallback) and their bubble rates
-against the zero-bubble paper's ZB-V table.
+against the zero-bubble paper's ZB-V table.  The scale section: 1F1B and ZB-H1 at p = 512, m = 2048 (about 3 million
+actions) generated, lowered, validated and simulated in a fresh process each, with its CPU and wall time and peak
+RSS against the targets (60 s, 4 GB); ``--scale`` runs only that section and prints its table.
 
 Writes ``bench/results/schedules.md`` and ``bench/results/schedules.png`` (``--out`` to change the folder).
 
 Columns are a list of ``Column`` (a name and a function of the setting returning a bubble rate or None); to add one
 (e.g. the exact solver's gap), append to ``COLUMNS`` or call ``main(extra_columns=[...])``.
-Run: ``.venv/bin/python tools/bench_schedules.py [--out DIR] [--quick]``.
+Run: ``.venv/bin/python tools/bench_schedules.py [--out DIR] [--quick] [--scale]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import resource
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,9 +29,11 @@ from pathlib import Path
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators import v_shape, v_shape_codes, zb_auto, zb_auto_passes
 from zb_pipeline.schedule.ir import v_placement
+from zb_pipeline.schedule.lowering import CommBatch
 from zb_pipeline.schedule.paper_tables import ZB_V_TABLE
 from zb_pipeline.schedule.registry import available, generate, get
 from zb_pipeline.schedule.simulate import simulate
+from zb_pipeline.schedule.validate import check_and_lower
 
 
 @dataclass(frozen=True)
@@ -193,11 +201,81 @@ def v_generation_times(shapes: Sequence[tuple[int, int]], repeats: int, python_u
     return rows
 
 
+SCALE_SHAPE = (512, 2048)  # p, m: about 3 million actions (issue 24's bounded-cost target)
+SCALE_SCHEDULES = ("1f1b", "zb-h1")
+SCALE_TARGET_S, SCALE_TARGET_GB = 60.0, 4.0
+
+
+def scale_child(name: str, p: int, m: int) -> dict:
+    """One end-to-end run in this process (``--scale-child``): generate, lower + validate, simulate; CPU and wall
+    seconds of each phase and the process's peak RSS."""
+    out: dict = {"schedule": name, "p": p, "m": m}
+    t0, c0 = time.perf_counter(), time.process_time()
+    sched = generate(name, p, m)
+    costs = StageCosts.build(num_ranks=p, chunks=sched.chunks, stage_to_rank=sched.stage_to_rank)
+    t1, c1 = time.perf_counter(), time.process_time()
+    lowered = check_and_lower(sched, costs=costs)
+    t2, c2 = time.perf_counter(), time.process_time()
+    result = simulate(sched, costs)
+    t3, c3 = time.perf_counter(), time.process_time()
+    out["actions"] = sum(len(acts) for acts in sched.ranks)
+    out["messages"] = sum(len(st) for steps in lowered.ranks for st in steps if isinstance(st, CommBatch)) // 2
+    out["bubble"] = result.bubble_rate
+    out["cpu"] = {"generate": c1 - c0, "lower_validate": c2 - c1, "simulate": c3 - c2, "total": c3 - c0}
+    out["wall"] = {"generate": t1 - t0, "lower_validate": t2 - t1, "simulate": t3 - t2, "total": t3 - t0}
+    out["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+    return out
+
+
+def scale_times(names: Sequence[str] = SCALE_SCHEDULES, shape: tuple[int, int] = SCALE_SHAPE) -> list[dict]:
+    """``scale_child`` of each schedule in a fresh interpreter (so each peak RSS is its own); the wall time is the
+    whole process, start-up and imports included."""
+    rows = []
+    for name in names:
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, __file__, "--scale-child", name, str(shape[0]), str(shape[1])],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["process_wall"] = time.perf_counter() - t0
+        rows.append(row)
+    return rows
+
+
+def scale_lines(rows: Sequence[dict]) -> list[str]:
+    lines = [
+        "| schedule | p | m | actions | messages | generate CPU (s) | lower + validate CPU (s) | simulate CPU (s) | "
+        "total CPU (s) | process wall (s) | peak RSS (GB) | within target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = r["cpu"]
+        ok = r["cpu"]["total"] <= SCALE_TARGET_S and r["peak_rss_gb"] <= SCALE_TARGET_GB
+        lines.append(
+            f"| {r['schedule']} | {r['p']} | {r['m']} | {r['actions']} | {r['messages']} | {c['generate']:.1f} | "
+            f"{c['lower_validate']:.1f} | {c['simulate']:.1f} | {c['total']:.1f} | {r['process_wall']:.1f} | "
+            f"{r['peak_rss_gb']:.2f} | {'yes' if ok else 'NO'} |"
+        )
+    return lines
+
+
 def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="fewer settings and one timing run")
+    ap.add_argument("--scale", action="store_true", help="only the scale section (p=512, m=2048): print its table")
+    ap.add_argument("--scale-child", nargs=3, metavar=("NAME", "P", "M"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.scale_child:
+        name, p, m = args.scale_child
+        print(json.dumps(scale_child(name, int(p), int(m))))
+        return
+    if args.scale:
+        print("\n".join(scale_lines(scale_times())))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     columns = default_columns() + list(extra_columns)
@@ -244,6 +322,7 @@ def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()
         "|---|---|---|---|---|---|",
     ]
     v_shapes, python_up_to = (shapes[:1], 0) if args.quick else (shapes, 32)
+    scale_shape = (64, 256) if args.quick else SCALE_SHAPE
     for label, name, backend, cpu, wall, bubble in v_generation_times(v_shapes, 1 if args.quick else 3, python_up_to):
         lines.append(f"| {label} | {name} | {backend} | {cpu:.2f} | {wall:.2f} | {100 * bubble:.2f}% |")
     lines += [
@@ -255,6 +334,16 @@ def main(argv: Sequence[str] | None = None, extra_columns: Sequence[Column] = ()
         "or below the paper's ZB-V; v-half at most halfway between ZB-H1 and 1F1B; v-min at most 1F1B + 12 points.",
         "",
         *paper_table_lines((0, 3, 8) if args.quick else None),
+        "",
+        "## Scale: bounded cost",
+        "",
+        f"Generate + lower + validate + simulate at p={scale_shape[0]}, m={scale_shape[1]}, each schedule in a "
+        f"fresh process; targets at p={SCALE_SHAPE[0]}, m={SCALE_SHAPE[1]} (about 3 million actions; `--quick` "
+        f"measures a smaller shape): at most {SCALE_TARGET_S:g} s and {SCALE_TARGET_GB:g} GB. CPU time is the fair "
+        "measure on a shared machine. Beyond the size limits (`zb_pipeline/schedule/limits.py`) the tools refuse a "
+        "request in one line instead.",
+        "",
+        *scale_lines(scale_times(shape=scale_shape)),
     ]
     (out / "schedules.md").write_text("\n".join(lines) + "\n")
     _chart(out / "schedules.png", settings, columns, table)

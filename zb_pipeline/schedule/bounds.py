@@ -61,6 +61,20 @@ def backward_arrival(costs: StageCosts, stage_to_rank: Sequence[int], stage: int
     return t
 
 
+def _arrivals(costs: StageCosts, stage_to_rank: Sequence[int]) -> tuple[list[float], list[float]]:
+    """``forward_arrival`` and ``backward_arrival`` of every stage in one pass each (the same sums, in the same
+    order, so the same floats)."""
+    n = costs.num_stages
+    fwd = [0.0] * n
+    for k in range(n - 1):
+        fwd[k + 1] = fwd[k] + (costs.f[k] + (costs.comm if stage_to_rank[k] != stage_to_rank[k + 1] else 0.0))
+    bwd = [0.0] * n
+    bwd[n - 1] = fwd[n - 1] + costs.f[n - 1]
+    for k in range(n - 1, 0, -1):
+        bwd[k - 1] = bwd[k] + (costs.b[k] + (costs.comm if stage_to_rank[k] != stage_to_rank[k - 1] else 0.0))
+    return fwd, bwd
+
+
 def iteration_lower_bound(costs: StageCosts, stage_to_rank: Sequence[int], num_microbatches: int) -> IterationBound:
     """No plan with this placement and ``num_microbatches`` ends an iteration before ``.time`` under ``costs``."""
     m = num_microbatches
@@ -72,15 +86,18 @@ def iteration_lower_bound(costs: StageCosts, stage_to_rank: Sequence[int], num_m
             "pass the schedule's stage_to_rank with costs built for it"
         )
     num_ranks = max(stage_to_rank) + 1
+    fwd, bwd = _arrivals(costs, stage_to_rank)
+    by_rank: list[list[int]] = [[] for _ in range(num_ranks)]  # one pass: O(stages), not O(ranks x stages)
+    for s, owner in enumerate(stage_to_rank):
+        by_rank[owner].append(s)
     per_rank, reasons = [], []
-    for r in range(num_ranks):
-        stages = [s for s, owner in enumerate(stage_to_rank) if owner == r]
+    for r, stages in enumerate(by_rank):
         if not stages:
             raise ValueError(f"rank {r} holds no stage in stage_to_rank={tuple(stage_to_rank)}")
         backward_work = m * sum(costs.b[s] + costs.w[s] for s in stages)
-        by_input = min(forward_arrival(costs, stage_to_rank, s) for s in stages) + backward_work
+        by_input = min(fwd[s] for s in stages) + backward_work
         by_input += m * sum(costs.f[s] for s in stages)
-        by_gradient = min(backward_arrival(costs, stage_to_rank, s) for s in stages) + backward_work
+        by_gradient = min(bwd[s] for s in stages) + backward_work
         per_rank.append(max(by_input, by_gradient))
         reasons.append("first input" if by_input >= by_gradient else "first gradient")
     rank = max(range(num_ranks), key=lambda r: per_rank[r])

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zb_pipeline.schedule import limits
 from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule
@@ -125,6 +126,8 @@ def certify(
 
     if not (math.isfinite(time_limit) and time_limit > 0):
         raise ValueError(f"--time-limit {time_limit:g} must be a positive number of seconds")
+    _check_exact_size(schedule.num_ranks, schedule.num_microbatches, schedule.chunks)
+    limits.check_costs(costs, schedule.num_microbatches)
     if getattr(costs, "overlap", 1.0) != 1.0:
         raise ValueError("certify models no overlapped pairs: use --cost-overlap 1 (pairs cost F + BW)")
     t0 = time.perf_counter()
@@ -176,6 +179,14 @@ def certify(
     )
 
 
+def _check_exact_size(num_ranks: int, num_microbatches: int, chunks: int) -> None:
+    """The exact solver's size limit (``limits.MAX_EXACT_ACTIONS``: its model grows with the square of a rank's
+    actions)."""
+    limits.check_shape(
+        num_ranks, num_microbatches, chunks, max_actions=limits.MAX_EXACT_ACTIONS, what="certify (the exact solver)"
+    )
+
+
 def _other_warm_starts(schedule: Schedule, costs: StageCosts, limit: float) -> list[Schedule]:
     """zb-auto under the same limit, where it applies (one chunk per rank, loop placement)."""
     if schedule.chunks != 1 or schedule.placement != "loop":
@@ -217,6 +228,7 @@ def add_parser(
 
     def run(args: argparse.Namespace) -> int:
         check(args)
+        _check_exact_size(args.ranks, args.microbatches, args.chunks or 1)  # before a plan is generated or read
         if not (math.isfinite(args.time_limit) and args.time_limit > 0):
             raise ValueError(f"--time-limit {args.time_limit:g} must be a positive number of seconds")
         if args.target.endswith(".json") or os.path.isfile(args.target):

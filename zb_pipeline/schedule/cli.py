@@ -16,6 +16,8 @@ Every command that takes cost flags also takes ``--profile prof.json`` (a measur
 Cost and memory flags take one number (a rank's whole share of layers), a comma-separated list with one number
 per rank, or one per virtual stage (see ``StageCosts.build``).  Bad input prints one line on stderr and exits
 with status 2; a plan that fails ``check_and_lower`` prints its grid (failing step marked) and exits with status 2 too.
+A shape or plan file over the size limits, or costs whose sums overflow, is bad input (``limits``), refused before
+any work.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from zb_pipeline.schedule import certify, registry
+from zb_pipeline.schedule import certify, limits, registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
@@ -163,6 +165,7 @@ def _plan(name: str, args: argparse.Namespace) -> tuple[Schedule, StageCosts, Lo
     chunks = spec.default_chunks if args.chunks is None else args.chunks
     if spec.chunks is not None and chunks not in spec.chunks:
         raise UsageError(f"schedule {name!r} supports --chunks in {list(spec.chunks)}, got {chunks}")
+    registry.check_limits(name, p, m, chunks)  # before anything of size p or m is built
     costs = _build_costs(args, p, chunks, registry.placement_of(name, p, chunks))
     sched = registry.generate(name, p, m, chunks=chunks, costs=costs, mem_limit=args.mem_limit)
     lowered = check_and_lower(sched, costs=costs, mem_limit=args.mem_limit)
@@ -319,6 +322,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     _check_shape(args)
+    # The shape itself first (one line); a schedule with a tighter limit of its own is then listed as skipped.
+    limits.check_shape(args.ranks, args.microbatches, args.chunks or 1, what="compare")
     rows: list[ComparisonRow] = []
     skipped: list[tuple[str, str]] = []
     for name in registry.available():
@@ -381,8 +386,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    sched = load_plan(args.plan)
+    sched = load_plan(args.plan)  # refuses a plan over the size limits before parsing its actions
     costs = _build_costs(args, sched.num_ranks, sched.chunks, sched.stage_to_rank)
+    limits.check_costs(costs, sched.num_microbatches)
     try:
         lowered = check_and_lower(sched, costs=costs, mem_limit=args.mem_limit)
     except ScheduleError as e:

@@ -305,8 +305,16 @@ class Schedule:
         return "custom"
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The virtual stages that live on ``rank``, in increasing order."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+        """The virtual stages that live on ``rank``, in increasing order (the table is built once per plan, so
+        asking for every rank costs O(stages), not O(ranks x stages))."""
+        table = self.__dict__.get("_stages_by_rank")
+        if table is None:
+            by_rank: list[list[int]] = [[] for _ in range(self.num_ranks)]
+            for s, r in enumerate(self.stage_to_rank):
+                by_rank[r].append(s)
+            table = tuple(map(tuple, by_rank))
+            object.__setattr__(self, "_stages_by_rank", table)
+        return table[rank]
 
     def __str__(self) -> str:
         lines = [f"{self.name}: p={self.num_ranks} S={self.num_stages} m={self.num_microbatches} ({self.placement})"]

@@ -9,6 +9,7 @@ send and the k-th receive are the same transfer; and the strict model (no buffer
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from zb_pipeline.schedule.ir import Action, Kind
@@ -74,8 +75,10 @@ class _Ops:
     pv_base: int
     sent: list[int]  # transfer id -> rank * _BIG + step of its send (-1: none)
     recvd: list[int]  # transfer id -> rank * _BIG + step of its receive (-1: none)
-    sends: list[list[list[tuple[int, int, int]]]]  # [src][dst] -> [(transfer id, step, slot)] in order
-    recvs: list[list[list[tuple[int, int, int]]]]  # [src][dst] -> [(transfer id, step, slot)] in order
+    # src * p + dst -> [(transfer id, step, slot)] in posting order, only for pairs of ranks that talk (a dict, not a
+    # p x p table: a plan's cost stays O(actions + messages) however many ranks it has).
+    sends: dict[int, list[tuple[int, int, int]]]
+    recvs: dict[int, list[tuple[int, int, int]]]
     partner: list[list[list | None]] = field(default_factory=list)  # [rank][step][slot] -> the matching op
 
 
@@ -89,13 +92,12 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
         pv_base,
         [-1] * (pv_base + 2 * p),
         [-1] * (pv_base + 2 * p),
-        [[[] for _ in range(p)] for _ in range(p)],
-        [[[] for _ in range(p)] for _ in range(p)],
+        defaultdict(list),
+        defaultdict(list),
         [[None] * len(steps) for steps in lowered.ranks],
     )
-    sent, recvd, recvs = ops.sent, ops.recvd, ops.recvs
+    sent, recvd, sends, recvs = ops.sent, ops.recvd, ops.sends, ops.recvs
     for r, steps in enumerate(lowered.ranks):
-        sends_r = ops.sends[r]
         for j, st in enumerate(steps):
             if type(st) is not CommBatch:
                 continue
@@ -109,7 +111,10 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                     is_send = kind is _SEND_PV
                     tid = pv_base + mb * p + (r if is_send else peer)
                     (sent if is_send else recvd)[tid] = r * _BIG + j
-                    (sends_r[peer] if is_send else recvs[peer][r]).append((tid, j, slot))
+                    if is_send:
+                        sends[r * p + peer].append((tid, j, slot))
+                    else:
+                        recvs[peer * p + r].append((tid, j, slot))
                     continue
                 sm = s * m + mb
                 if kind is _SEND_F:
@@ -128,12 +133,12 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                     if sent[tid] >= 0 or data[sm] > j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
                     sent[tid] = r * _BIG + j
-                    sends_r[peer].append((tid, j, slot))
+                    sends[r * p + peer].append((tid, j, slot))
                 else:
                     if recvd[tid] >= 0 or data[sm] < j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
                     recvd[tid] = r * _BIG + j
-                    recvs[peer][r].append((tid, j, slot))
+                    recvs[peer * p + r].append((tid, j, slot))
     return ops
 
 
@@ -173,19 +178,19 @@ def _match_in_order(lowered: LoweredSchedule, ops: _Ops) -> None:
     (Both lists have the same length here: every transfer has exactly one send and one receive.)"""
     p = lowered.schedule.num_ranks
     partner = ops.partner
-    for src in range(p):
-        for dst in range(p):
-            for k, ((ts, js, ss), (tr, jr, sr)) in enumerate(zip(ops.sends[src][dst], ops.recvs[src][dst])):
-                if ts != tr:
-                    sa, ra = lowered.ranks[src][js].actions[ss], lowered.ranks[dst][jr].actions[sr]
-                    msg = (
-                        f"rank {dst} step {jr} ({ra}): receive #{k} from rank {src} is matched (by order, no tags) "
-                        f"with send #{k} from rank {src} to rank {dst}, which is {sa} (rank {src} step {js}): the two "
-                        "sides post their transfers in different orders"
-                    )
-                    raise plan_error(lowered, msg, dst, jr)
-                partner[src][js][ss] = (dst, jr, sr)
-                partner[dst][jr][sr] = (src, js, ss)
+    for key, sends in sorted(ops.sends.items()):  # (src, dst) order, as a diagnosis reads
+        src, dst = divmod(key, p)
+        for k, ((ts, js, ss), (tr, jr, sr)) in enumerate(zip(sends, ops.recvs.get(key, ()))):
+            if ts != tr:
+                sa, ra = lowered.ranks[src][js].actions[ss], lowered.ranks[dst][jr].actions[sr]
+                msg = (
+                    f"rank {dst} step {jr} ({ra}): receive #{k} from rank {src} is matched (by order, no tags) "
+                    f"with send #{k} from rank {src} to rank {dst}, which is {sa} (rank {src} step {js}): the two "
+                    "sides post their transfers in different orders"
+                )
+                raise plan_error(lowered, msg, dst, jr)
+            partner[src][js][ss] = (dst, jr, sr)
+            partner[dst][jr][sr] = (src, js, ss)
 
 
 # ------------------------------------------------------------------------------------------ post-validation

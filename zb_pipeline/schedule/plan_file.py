@@ -18,8 +18,9 @@ An overlapped pair is written ``"1F5+6BW2"`` (``ir.PairAction``).  ``save_plan``
 (keys in this order, two-space indent, one line per rank, a final newline), so export -> load -> export gives the
 same bytes.  ``load_plan`` checks the structure -- types, sizes, every action string, each action on the rank its
 stage is placed on, nothing out of range -- and raises ``PlanFileError`` naming the rank, the position and the
-problem.  Whether the plan can run (dependencies, the
-communication order, memory) is the validator's question, not this module's.
+problem; a plan over the size limits (``limits``) is refused from its size and header, before its actions are
+parsed.  Whether the plan can run (dependencies, the communication order, memory) is the validator's question, not
+this module's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from zb_pipeline.schedule import limits
 from zb_pipeline.schedule.ir import PlanAction, Schedule, halves, parse_action
 
 KEYS: tuple[str, ...] = ("schedule", "num_ranks", "num_stages", "num_microbatches", "stage_to_rank", "ranks")
@@ -81,6 +83,13 @@ def plan_from_dict(d: Any) -> Schedule:
     m = _int_field(d, "num_microbatches", 1)
     if S % p:
         raise PlanFileError(f'"num_stages" {S} must be a multiple of "num_ranks" {p}')
+    # The size limits from the header and the list lengths, before any action is parsed.
+    ranks_in = d["ranks"]
+    n_actions = sum(len(a) for a in ranks_in if isinstance(a, list)) if isinstance(ranks_in, list) else 0
+    try:
+        limits.check_plan_size(p, S, m, n_actions, what="the plan")
+    except limits.LimitError as e:
+        raise PlanFileError(str(e)) from None
 
     placement = d["stage_to_rank"]
     if not isinstance(placement, list) or len(placement) != S:
@@ -89,12 +98,13 @@ def plan_from_dict(d: Any) -> Schedule:
     for s, r in enumerate(placement):
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < p:
             raise PlanFileError(f'"stage_to_rank"[{s}] is {json.dumps(r)}: must be a rank in 0..{p - 1}')
-    per_rank = [placement.count(r) for r in range(p)]
+    per_rank = [0] * p  # one pass (not one count per rank: O(stages))
+    for r in placement:
+        per_rank[r] += 1
     if any(c != S // p for c in per_rank):
         r = next(r for r, c in enumerate(per_rank) if c != S // p)
         raise PlanFileError(f'"stage_to_rank" places {per_rank[r]} stages on rank {r}; each rank needs {S // p}')
 
-    ranks_in = d["ranks"]
     if not isinstance(ranks_in, list) or len(ranks_in) != p:
         got = f"{len(ranks_in)} lists" if isinstance(ranks_in, list) else json.dumps(ranks_in)[:40]
         raise PlanFileError(f'"ranks" must be a list of {p} action lists (one per rank), got {got}')
@@ -146,8 +156,55 @@ def dumps_plan(schedule: Schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _header(text: str) -> dict[str, Any]:
+    """The top-level members of a plan file's JSON that come before ``"ranks"`` (all of them in the canonical layout
+    but the action lists), decoded one by one without reading the actions; ``{}`` if the text is not that shape (the
+    full parse then says what is wrong)."""
+    decode, out = json.JSONDecoder().raw_decode, {}
+    ws = " \t\r\n"
+    try:
+        i = len(text) - len(text.lstrip(ws))
+        if text[i] != "{":
+            return {}
+        i += 1
+        while True:
+            while text[i] in ws:
+                i += 1
+            if text[i] != '"':
+                return out
+            key, i = decode(text, i)
+            while text[i] in ws:
+                i += 1
+            if text[i] != ":" or key == "ranks":
+                return out
+            i += 1
+            while text[i] in ws:
+                i += 1
+            out[key], i = decode(text, i)
+            while text[i] in ws:
+                i += 1
+            if text[i] != ",":
+                return out
+            i += 1
+    except (ValueError, IndexError):
+        return out
+
+
+def _check_header_size(text: str) -> None:
+    """The size limits from the header alone (ranks, stages, microbatches), before the action lists are parsed."""
+    head = _header(text)
+    p, S, m = (head.get(k) for k in ("num_ranks", "num_stages", "num_microbatches"))
+    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (p, S, m)):
+        try:
+            limits.check_plan_size(p, S, m, 0, what="the plan")
+        except limits.LimitError as e:
+            raise PlanFileError(str(e)) from None
+
+
 def loads_plan(text: str) -> Schedule:
-    """Parse plan-file text; raises ``PlanFileError`` (with line and column for broken JSON)."""
+    """Parse plan-file text; raises ``PlanFileError`` (with line and column for broken JSON).  A plan over the size
+    limits is refused from its header, before its actions are read (``limits``)."""
+    _check_header_size(text)
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
@@ -161,8 +218,15 @@ def save_plan(schedule: Schedule, path: str | os.PathLike[str]) -> None:
 
 
 def load_plan(path: str | os.PathLike[str]) -> Schedule:
-    """Read a plan file; raises ``PlanFileError`` (prefixed with the path) if it cannot be read."""
+    """Read a plan file; raises ``PlanFileError`` (prefixed with the path) if it cannot be read, or if it is over
+    the size limits (``limits``: the file's size first, then its header, before any action is parsed)."""
     try:
+        size = os.stat(path).st_size
+        if size > limits.MAX_PLAN_FILE_BYTES:
+            raise PlanFileError(
+                f"{path}: the plan file is {size} bytes, over the limit of {limits.MAX_PLAN_FILE_BYTES} bytes "
+                f"({limits.MAX_ACTIONS} actions); split the plan"
+            )
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise PlanFileError(f"{path}: cannot read plan file: {e.strerror or e}") from None

@@ -93,7 +93,6 @@ def validation_cut(lowered: LoweredSchedule) -> list[int]:
     batch holding the first unmatched op.  Cuts only move back, so this ends; consistent cuts are closed under the
     element-wise minimum, so the result is the largest consistent one below the start.
     """
-    p = lowered.schedule.num_ranks
     cut = []
     for steps in lowered.ranks:
         first = next(
@@ -101,9 +100,10 @@ def validation_cut(lowered: LoweredSchedule) -> list[int]:
             len(steps),
         )
         cut.append(first)
-    # sends[src][dst] / recvs[src][dst]: step indices (one per op, in posting order) on src / on dst.
-    sends = [[[] for _ in range(p)] for _ in range(p)]
-    recvs = [[[] for _ in range(p)] for _ in range(p)]
+    # sends[(src, dst)] / recvs[(src, dst)]: step indices (one per op, in posting order) on src / on dst; only pairs
+    # of ranks that talk (no p x p table).
+    sends: dict[tuple[int, int], list[int]] = {}
+    recvs: dict[tuple[int, int], list[int]] = {}
     for r, steps in enumerate(lowered.ranks):
         for j, st in enumerate(steps):
             if isinstance(st, CommBatch):
@@ -111,22 +111,33 @@ def validation_cut(lowered: LoweredSchedule) -> list[int]:
                     if a.kind in PV_KINDS:
                         raise ValueError(f"plan {lowered.schedule.name!r} already carries SEND_PV/RECV_PV actions")
                     if a.kind in _SENDS:
-                        sends[r][a.peer].append(j)
+                        sends.setdefault((r, a.peer), []).append(j)
                     else:
-                        recvs[a.peer][r].append(j)
-    pairs = [(s, d) for s in range(p) for d in range(p) if sends[s][d] or recvs[s][d]]
-    changed = True
-    while changed:
-        changed = False
-        for src, dst in pairs:
-            n_send = bisect_left(sends[src][dst], cut[src])  # sends posted before the cut
-            n_recv = bisect_left(recvs[src][dst], cut[dst])
-            if n_send > n_recv:
-                cut[src] = sends[src][dst][n_recv]
-                changed = True
-            elif n_recv > n_send:
-                cut[dst] = recvs[src][dst][n_send]
-                changed = True
+                        recvs.setdefault((a.peer, r), []).append(j)
+    pairs = sorted(set(sends) | set(recvs))
+    pairs_of: dict[int, list[tuple[int, int]]] = {}  # rank -> the pairs it is a side of
+    for pair in pairs:
+        for r in set(pair):
+            pairs_of.setdefault(r, []).append(pair)
+    # A worklist: a pair is looked at again only when the cut of one of its sides moved.
+    todo, queued = list(reversed(pairs)), set(pairs)
+    while todo:
+        pair = todo.pop()
+        queued.discard(pair)
+        src, dst = pair
+        s_steps, r_steps = sends.get(pair, []), recvs.get(pair, [])
+        n_send = bisect_left(s_steps, cut[src])  # sends posted before the cut
+        n_recv = bisect_left(r_steps, cut[dst])
+        if n_send > n_recv:
+            moved, cut[src] = src, s_steps[n_recv]
+        elif n_recv > n_send:
+            moved, cut[dst] = dst, r_steps[n_send]
+        else:
+            continue
+        for other in pairs_of[moved]:
+            if other not in queued:
+                queued.add(other)
+                todo.append(other)
     return cut
 
 

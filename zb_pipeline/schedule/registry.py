@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from zb_pipeline.schedule import limits
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule, loop_placement, v_placement
 
@@ -39,6 +40,9 @@ class GeneratorSpec:
     # Peak activation memory the schedule states, per rank, in microbatches of the rank's own share: fn(p, m).
     memory_bound: Callable[[int, int], float] | None = None
     takes_mem_limit: bool = True  # a memory limit shapes or checks the plan (False: the schedule fixes its own)
+    # The most compute actions (3 x p x chunks x m) this generator is asked to plan: a search costs more per action
+    # than a fixed pattern, so it states a smaller limit here (None: limits.MAX_ACTIONS).
+    max_actions: int | None = None
 
     def stated_memory_bound(self, num_ranks: int, num_microbatches: int) -> float | None:
         """The peak activation memory this schedule states (``None``: none stated)."""
@@ -59,10 +63,12 @@ def register(
     uses_costs: bool = False,
     memory_bound: Callable[[int, int], float] | None = None,
     takes_mem_limit: bool = True,
+    max_actions: int | None = None,
 ) -> Callable[[GeneratorFn], GeneratorFn]:
     """Decorator: add a generator under ``name`` (the fields of ``GeneratorSpec``).  ``uses_costs``: its plan
     depends on the ``costs`` it is given (not only the memory limit), so a profiling window re-plans it from measured
-    costs; ``memory_bound(p, m)``: the peak activation memory it states, in microbatches of a rank's share."""
+    costs; ``memory_bound(p, m)``: the peak activation memory it states, in microbatches of a rank's share;
+    ``max_actions``: its own, smaller limit on ``3 x p x chunks x m`` (``limits``)."""
 
     def deco(fn: GeneratorFn) -> GeneratorFn:
         if name in _REGISTRY and _REGISTRY[name].fn is not fn:
@@ -71,7 +77,9 @@ def register(
         doc = description or (fn.__doc__ or "").strip()
         if placement not in ("loop", "v"):
             raise ValueError(f"schedule {name!r}: placement {placement!r} must be 'loop' or 'v'")
-        spec = GeneratorSpec(name, fn, chunks, dc, placement, doc, uses_costs, memory_bound, takes_mem_limit)
+        spec = GeneratorSpec(
+            name, fn, chunks, dc, placement, doc, uses_costs, memory_bound, takes_mem_limit, max_actions
+        )
         _REGISTRY[name] = spec
         return fn
 
@@ -105,6 +113,15 @@ def get(name: str) -> GeneratorSpec:
     return _REGISTRY[name]
 
 
+def check_limits(name: str, num_ranks: int, num_microbatches: int, chunks: int | None = None) -> None:
+    """``limits.LimitError`` unless schedule ``name`` may be planned for this shape: ``limits.MAX_RANKS``,
+    ``limits.MAX_MICROBATCHES`` and its action limit (its ``max_actions``, else ``limits.MAX_ACTIONS``).  Cheap: run
+    it before building anything of size p or m."""
+    spec = get(name)
+    c = spec.default_chunks if chunks is None else chunks
+    limits.check_shape(num_ranks, num_microbatches, c, max_actions=spec.max_actions, what=f"schedule {name!r}")
+
+
 def generate(
     name: str,
     num_ranks: int,
@@ -118,7 +135,8 @@ def generate(
 
     ``costs`` defaults to F = B = W = 1 for a rank's whole share of layers (each chunk 1/chunks), T_comm = 0 and the
     default memory model (mem_f = 1 per rank's share); ``mem_limit`` is in the units of the memory deltas (per rank).
-    Raises ``ValueError`` naming the constraint a shape violates.
+    Raises ``ValueError`` naming the constraint a shape violates (``limits.LimitError`` for a shape over the size
+    limits, checked first, or costs whose sums overflow).
     """
     spec = get(name)
     if num_ranks < 1:
@@ -130,6 +148,7 @@ def generate(
         raise ValueError(f"schedule {name!r} supports chunks in {list(spec.chunks)}, got chunks={c}")
     if c < 1:
         raise ValueError(f"chunks={c} must be >= 1")
+    check_limits(name, num_ranks, num_microbatches, c)
     if costs is None:
         # F = B = W = 1 and mem_f = 1 for a rank's whole share (each of its chunks 1/c), as the CLI reads them.
         costs = StageCosts.build(num_ranks=num_ranks, chunks=c, stage_to_rank=placement_of(name, num_ranks, c))
@@ -138,6 +157,7 @@ def generate(
             f"costs are given for {costs.num_stages} virtual stages, but {name!r} with p={num_ranks} and "
             f"chunks={c} has {num_ranks * c}"
         )
+    limits.check_costs(costs, num_microbatches)
     key = (name, spec.fn, num_ranks, num_microbatches, c, costs, mem_limit)
     plan = _PLANS.get(key)
     if plan is None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, PlanAction, Schedule
+from zb_pipeline.schedule.lowering import no_gc
 from zb_pipeline.schedule.memory import check_costs_match, peak_memory
 
 # Keys of "this happened" events: (stage * m + microbatch) * 3 + slot.
@@ -153,7 +154,8 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
     if rank_start is not None and len(rank_start) != p:
         raise ValueError(f"rank_start has {len(rank_start)} entries, the plan has {p} ranks")
     clock = [0.0] * p if rank_start is None else [float(t) for t in rank_start]
-    timelines, busy = _run(schedule, costs, clock)
+    with no_gc():  # one timed entry per action, none in a cycle: the collector's scans would cost more than the run
+        timelines, busy = _run(schedule, costs, clock)
     spans = [tl[-1].end - tl[0].start if tl else 0.0 for tl in timelines]
     makespan = max(spans, default=0.0)
     bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0

@@ -250,6 +250,7 @@ class _WPlacement:
     placement="loop",
     description="interleaved 1F1B with split B/W, W deferred into bubbles (ZB1P); interleaved-1F1B memory",
     uses_costs=True,
+    max_actions=600_000,  # limits.py: its bubble filling costs ~70 us of CPU per action (p = 128, m = 256)
 )
 def interleaved_zb(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | None = None) -> Schedule:
     """Interleaved zero-bubble schedule (loop placement, ``chunks`` in 2..8)."""

@@ -245,6 +245,10 @@ def plan_v(
 
 # What the three V schedules register alike: each fixes its own memory bound, so no memory limit applies.
 _V_SPEC = dict(chunks=(2,), placement="v", uses_costs=True, takes_mem_limit=False)
+# Action limit (limits.py) of V-Half and V-Min: their block search costs 20-30 us of CPU per action (p = 128,
+# m = 512 and 1024), so a million actions take about 20 s.  ZB-V's alternating pass (~4 us per action) keeps the
+# global limit.
+_V_HALF_MIN_MAX_ACTIONS = 1_000_000
 
 
 @register(
@@ -261,6 +265,7 @@ def zb_v(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float | N
 @register(
     "v-half",
     **_V_SPEC,
+    max_actions=_V_HALF_MIN_MAX_ACTIONS,
     memory_bound=lambda p, m: (p + 2) // 2,
     description="V-Half: V placement, about half of 1F1B's memory (floor((p+2)/2) x M)",
 )
@@ -272,6 +277,7 @@ def v_half(p: int, m: int, *, chunks: int, costs: StageCosts, mem_limit: float |
 @register(
     "v-min",
     **_V_SPEC,
+    max_actions=_V_HALF_MIN_MAX_ACTIONS,
     memory_bound=lambda p, m: (p + 4) // 3,
     description="V-Min: V placement, about a third of 1F1B's memory (floor((p+4)/3) x M)",
 )
