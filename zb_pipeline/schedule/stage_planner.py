@@ -29,9 +29,11 @@ minimising the peak instead).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound
@@ -111,6 +113,24 @@ class ModelCosts:
         names = [o.name for o in self.recompute]
         if len(set(names)) != len(names):
             raise ValueError(f"recompute option names repeat: {names}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
+        """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
+        "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...]}``."""
+        if not isinstance(d, dict):
+            raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
+        try:
+            parts = {k: PartCosts(**d[k]) for k in ("layer", "embedding", "head")}
+            rec = tuple(RecomputeOption(**o) for o in d.get("recompute", ()))
+            return cls(num_layers=int(d["num_layers"]), comm=float(d.get("comm", 0.0)), recompute=rec, **parts)
+        except KeyError as err:
+            raise ValueError(f"model parts lack {err}: give num_layers, layer, embedding and head") from None
+        except TypeError as err:
+            raise ValueError(f"model parts: {err}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     def option_names(self) -> tuple[str, ...]:
         return (NO_RECOMPUTE,) + tuple(o.name for o in self.recompute)
@@ -367,6 +387,37 @@ def plan_stages(
     layers, opts, end, peak, plan, costs = best
     names = model.option_names()
     return StagePlan(schedule, layers, tuple(names[o] for o in opts), end, peak, plan, costs, n, exact)
+
+
+def evaluate_split(
+    model: ModelCosts,
+    layers: Sequence[int],
+    *,
+    schedule: str,
+    num_ranks: int,
+    num_microbatches: int,
+    chunks: int | None = None,
+    recompute: Sequence[str] | None = None,
+) -> tuple[float, tuple[float, ...]]:
+    """(simulated iteration, per-rank peak) of one given split (and recompute choice, default none): what the
+    planner's answer is compared with, e.g. the even split."""
+    shape = _shape(schedule, num_ranks, num_microbatches, chunks)
+    if len(layers) != shape.num_stages or sum(layers) != model.num_layers:
+        raise ValueError(f"split {list(layers)} is not {model.num_layers} layers over {shape.num_stages} stages")
+    names = model.option_names()
+    opts = [0] * len(layers) if recompute is None else [names.index(r) for r in recompute]
+    costs = model.stage_costs(layers, opts)
+    plan = _plan_for(shape, costs, None)
+    if plan is None:
+        raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}")
+    return simulate(plan, costs).end_time, _peak(plan, costs)
+
+
+def even_split(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
+    """The even split, or ``None`` when the layers do not divide over the stages."""
+    if num_layers % num_stages:
+        return None
+    return (num_layers // num_stages,) * num_stages
 
 
 def _memory_bound(shape: _Shape, parts: list[PartCosts], comm: float) -> float:
