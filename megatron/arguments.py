@@ -33,6 +33,7 @@ from megatron.config.training import TrainingConfig
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
+from megatron.pipeline.layer_split import auto_layer_split
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 
@@ -142,6 +143,7 @@ def _parallel_config(v: dict[str, Any]) -> ParallelConfig:
         decoder_first_pipeline_num_layers=v["decoder_first_pipeline_num_layers"],
         decoder_last_pipeline_num_layers=v["decoder_last_pipeline_num_layers"],
         allow_padding_num_layers=v["allow_padding_num_layers"],
+        layer_split=v["pipeline_layer_split"],
         distributed_timeout_s=timeout_s,
     )
 
@@ -223,6 +225,31 @@ def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, Checkp
     return data, checkpoint, logging
 
 
+def apply_layer_split(run: RunConfig) -> RunConfig:
+    """``run`` with ``--pipeline-layer-split auto``'s split in its pipeline layout once the vocabulary is known
+    (the head's cost is vocabulary-wide); unchanged for an even or explicit split, pp = 1, or a split already
+    planned.  Called at the end of ``parse_run_config`` and again by ``training_setup.resolve_vocab``."""
+    layout = run.pipeline_layout
+    if layout is None or run.parallel.layer_split != "auto" or layout.split != "even" or not run.model.vocab_size:
+        return run
+    layout = auto_layer_split(
+        layout,
+        run.model,
+        schedule=run.pipeline.schedule,
+        schedule_file=run.pipeline.schedule_file,
+        padded_vocab_size=run.padded_vocab_size,
+        micro_batch_size=run.training.micro_batch_size,
+        num_microbatches=run.num_microbatches,
+        bytes_per_element=2 if run.precision.name in ("bf16", "fp16") else 4,
+    )
+    return dataclasses.replace(run, pipeline_layout=layout)
+
+
+def _auto_split(parallel: ParallelConfig) -> bool:
+    first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
+    return parallel.layer_split == "auto" and first is None and last is None
+
+
 def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     """Parse and validate the flags of one run on ``world_size`` ranks; raises ``ConfigError`` on bad input."""
     v, ignored = parse_flags(argv)
@@ -250,9 +277,10 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
             num_layers=model.num_layers,
             first_stage_layers=parallel.decoder_first_pipeline_num_layers,
             last_stage_layers=parallel.decoder_last_pipeline_num_layers,
-            allow_padding=parallel.allow_padding_num_layers,
+            # auto: the even split is a placeholder until the planner's (apply_layer_split), so it may be uneven
+            allow_padding=parallel.allow_padding_num_layers or _auto_split(parallel),
         )
-    return RunConfig(
+    run = RunConfig(
         model=model,
         parallel=parallel,
         training=training,
@@ -271,3 +299,4 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         pipeline_layout=layout,
         kernels=kernels,
     )
+    return apply_layer_split(run)  # --pipeline-layer-split auto (once the vocabulary is known: else resolve_vocab)

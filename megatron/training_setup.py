@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron.arguments import RunConfig
+from megatron.arguments import RunConfig, apply_layer_split
 from megatron.config.errors import ConfigError
 from megatron.data.mock_data import MockGPTDataset
 from megatron.kernels.select import apply_kernels
@@ -38,7 +38,7 @@ def resolve_vocab(run: RunConfig) -> RunConfig:
     vocab = int(tokenizer.vocab_size)
     model = dataclasses.replace(run.model, vocab_size=vocab)
     data = dataclasses.replace(run.data, vocab_size=vocab)
-    return dataclasses.replace(run, model=model, data=data)
+    return apply_layer_split(dataclasses.replace(run, model=model, data=data))  # auto split needs the vocabulary
 
 
 def build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | None]:
