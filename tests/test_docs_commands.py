@@ -67,6 +67,7 @@ SLOW: dict[tuple[str, str], str] = {
     ("docs/training.md", "--sequence-parallel"): "4 ranks, tp 2 x pp 2 (~10 s)",
     ("docs/training.md", "--schedule-file"): "2 ranks running a plan file (~6 s)",
     ("docs/gpu.md", "--device cpu"): "the GPU check's measurement on CPU (~5 s)",
+    ("docs/planner.md", "planner_ckpt"): "a 2-rank zb-v run with a profiling window, then the plan from it (~20 s)",
     ("docs/data.md", "prepare_default_corpus"): "builds the default corpus and its tokenizer (2-6 s)",
 }
 

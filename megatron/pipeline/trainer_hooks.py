@@ -204,5 +204,6 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         group=ctx.pp_group,
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
+        stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
     )
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
