@@ -87,3 +87,21 @@ def test_bad_auto_split_is_a_config_error(extra, message) -> None:
         argv[argv.index(extra[i]) + 1] = extra[i + 1]
     with pytest.raises(ConfigError, match=message):
         parse_run_config(argv, world_size=4)
+
+
+def test_checkpoint_of_another_split_is_refused_with_the_flags_to_pass(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from megatron.checkpointing import _check_compatible, layout_of
+
+    def trainer(argv: list[str]) -> SimpleNamespace:
+        run = parse_run_config(argv, world_size=2)
+        ctx = SimpleNamespace(tp_size=1, pp_size=2, dp_size=1, world_size=2)
+        return SimpleNamespace(run=run, ctx=ctx)
+
+    even, auto = trainer(MAKE_TRAIN), trainer([*MAKE_TRAIN, "--pipeline-layer-split", "auto"])
+    common = {"layout": layout_of(auto), "model_args": dataclasses.asdict(auto.run.model)}
+    assert common["layout"]["layers_per_stage"] == [3, 1]
+    _check_compatible(auto, common, tmp_path)  # the same split resumes
+    with pytest.raises(ConfigError, match=r"written with \[3, 1\] .* splits them \[2, 2\]; pass the same"):
+        _check_compatible(even, common, tmp_path)
