@@ -105,3 +105,25 @@ def test_checkpoint_of_another_split_is_refused_with_the_flags_to_pass(tmp_path)
     _check_compatible(auto, common, tmp_path)  # the same split resumes
     with pytest.raises(ConfigError, match=r"written with \[3, 1\] .* splits them \[2, 2\]; pass the same"):
         _check_compatible(even, common, tmp_path)
+
+
+@pytest.mark.slow
+def test_auto_split_trains_the_even_splits_losses_and_resumes_bit_exact(tmp_path) -> None:
+    """pp = 2, zb-h1, a head of about 2.6 layers: the auto split [3, 1] gives the even split's losses bit for bit (the
+    split only moves layers between ranks), and 3 steps saved + 3 resumed equal 6 in one launch."""
+    from test_pipeline_training import BASE, _pipeline
+
+    from megatron import checkpoint_files as cf
+
+    argv = [*BASE, "--train-iters", "6", "--global-batch-size", "8", "--eval-iters", "0"]
+    argv[argv.index("--vocab-size") + 1] = "1000"
+    argv += ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+    auto = [*argv, "--pipeline-layer-split", "auto"]
+    assert parse_run_config(auto, world_size=2).pipeline_layout.layers_per_stage == (3, 1)
+    full = _pipeline(auto, 2)[0]["losses"]
+    assert _pipeline(argv, 2)[0]["losses"] == full
+    ckpt = str(tmp_path / "auto")
+    first = _pipeline([*auto, "--save", ckpt, "--exit-interval", "3"], 2)[0]["losses"]
+    assert cf.read_tracker(ckpt) == 3
+    second = _pipeline([*auto, "--load", ckpt], 2)[0]["losses"]
+    assert first + second == full
