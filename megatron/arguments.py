@@ -230,7 +230,14 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
     (the head's cost is vocabulary-wide); unchanged for an even or explicit split, pp = 1, or a split already
     planned.  Called at the end of ``parse_run_config`` and again by ``training_setup.resolve_vocab``."""
     layout = run.pipeline_layout
-    if layout is None or run.parallel.layer_split != "auto" or layout.split != "even" or not run.model.vocab_size:
+    if layout is None or run.parallel.layer_split != "auto" or layout.split != "even":
+        return run
+    require(
+        run.pipeline.num_layers_per_virtual_stage is None,
+        "--pipeline-layer-split auto chooses each virtual stage's layers: drop --num-layers-per-virtual-pipeline-stage "
+        "(the schedule's default chunks apply) or the auto split",
+    )
+    if not run.model.vocab_size:
         return run
     layout = auto_layer_split(
         layout,

@@ -79,12 +79,16 @@ def test_auto_split_serves_layers_that_do_not_divide() -> None:
     [
         (["--pipeline-model-parallel-size", "1"], "needs --pipeline-model-parallel-size > 1"),
         (["--num-layers", "1"], "at least 1 layer"),
+        (["--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "1"], "drop --num"),
     ],
 )
 def test_bad_auto_split_is_a_config_error(extra, message) -> None:
     argv = [*MAKE_TRAIN, "--pipeline-layer-split", "auto"]
     for i in range(0, len(extra), 2):
-        argv[argv.index(extra[i]) + 1] = extra[i + 1]
+        if extra[i] in argv:
+            argv[argv.index(extra[i]) + 1] = extra[i + 1]
+        else:
+            argv += extra[i : i + 2]
     with pytest.raises(ConfigError, match=message):
         parse_run_config(argv, world_size=4)
 
