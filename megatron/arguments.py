@@ -40,6 +40,7 @@ from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
+from megatron.pipeline.layer_split import auto_layer_split, wants_auto_split
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 
@@ -217,6 +218,7 @@ def _parallel_config(v: dict[str, Any]) -> ParallelConfig:
         decoder_first_pipeline_num_layers=v["decoder_first_pipeline_num_layers"],
         decoder_last_pipeline_num_layers=v["decoder_last_pipeline_num_layers"],
         allow_padding_num_layers=v["allow_padding_num_layers"],
+        layer_split=v["pipeline_layer_split"],
         distributed_timeout_s=timeout_s,
     )
 
@@ -417,6 +419,34 @@ def _recompute_config(
     return recompute
 
 
+def apply_layer_split(run: RunConfig) -> RunConfig:
+    """``run`` with ``--pipeline-layer-split auto``'s split in its pipeline layout once the vocabulary is known
+    (the head's cost is vocabulary-wide); unchanged for an even or explicit split, pp = 1, or a split already
+    planned.  Called at the end of ``parse_run_config`` and again by ``training_setup.resolve_vocab``."""
+    layout = run.pipeline_layout
+    if (
+        not wants_auto_split(layout, run.parallel, run.pipeline.num_layers_per_virtual_stage)
+        or not run.model.vocab_size
+    ):
+        return run
+    layout = auto_layer_split(
+        layout,
+        run.model,
+        schedule=run.pipeline.schedule,
+        schedule_file=run.pipeline.schedule_file,
+        padded_vocab_size=run.padded_vocab_size,
+        micro_batch_size=run.training.micro_batch_size,
+        num_microbatches=run.num_microbatches,
+        bytes_per_element=2 if run.precision.name in ("bf16", "fp16") else 4,
+    )
+    return dataclasses.replace(run, pipeline_layout=layout)
+
+
+def _auto_split(parallel: ParallelConfig) -> bool:
+    first, last = parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers
+    return parallel.layer_split == "auto" and first is None and last is None
+
+
 def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
     """Parse and validate the flags of one run on ``world_size`` ranks; raises ``ConfigError`` on bad input."""
     v, ignored = parse_flags(argv)
@@ -460,7 +490,8 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
             num_layers=model.num_layers,
             first_stage_layers=parallel.decoder_first_pipeline_num_layers,
             last_stage_layers=parallel.decoder_last_pipeline_num_layers,
-            allow_padding=parallel.allow_padding_num_layers,
+            # auto: the even split is a placeholder until the planner's (apply_layer_split), so it may be uneven
+            allow_padding=parallel.allow_padding_num_layers or _auto_split(parallel),
         )
         if batch_schedule is not None:  # every microbatch count of the ramp must have a plan (cached by the registry)
             require(
@@ -472,7 +503,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
                     pp=parallel.pp_size, num_microbatches=m, num_layers=model.num_layers, source=layout.plans
                 )
     recompute = _recompute_config(v, parallel, model, layout)
-    return RunConfig(
+    run = RunConfig(
         model=model,
         parallel=parallel,
         training=training,
@@ -498,6 +529,7 @@ def parse_run_config(argv: Sequence[str], *, world_size: int = 1) -> RunConfig:
         warnings=tuple(warnings),
         recompute=recompute,
     )
+    return apply_layer_split(run)  # --pipeline-layer-split auto (once the vocabulary is known: else resolve_vocab)
 
 
 def lr_schedule_length(

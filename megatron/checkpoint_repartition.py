@@ -174,6 +174,8 @@ def write_checkpoint(
     new_common = dict(common)
     new_common["model_args"] = args
     new_common["layout"] = dict(common["layout"], tp=tp, pp=pp, dp=dp, world_size=tp * pp * dp)
+    # The target is split evenly (stage_names); the source's split no longer holds: loading checks every tensor.
+    new_common["layout"].pop("layers_per_stage", None)
     new_common["has_rng"] = False
     new_common["has_optimizer"] = full_optim is not None
     entries[cf.COMMON] = cf.write_tensor_file(tmp / cf.COMMON, new_common)

@@ -102,7 +102,7 @@ def set_rng_state(state: dict[str, Any], model: torch.nn.Module) -> None:
 
 
 def layout_of(tr: Trainer) -> dict[str, Any]:
-    ctx = tr.ctx
+    ctx, layout = tr.ctx, tr.run.pipeline_layout
     return {
         "tp": ctx.tp_size,
         "pp": ctx.pp_size,
@@ -110,6 +110,8 @@ def layout_of(tr: Trainer) -> dict[str, Any]:
         "world_size": ctx.world_size,
         "use_distributed_optimizer": bool(tr.run.optimizer.use_distributed_optimizer),
         "precision": tr.run.precision.name,
+        # transformer layers per virtual stage (--pipeline-layer-split / --decoder-first/last-pipeline-num-layers)
+        "layers_per_stage": None if layout is None else list(layout.layers_per_stage),
     }
 
 
@@ -227,6 +229,14 @@ def _check_compatible(tr: Trainer, common: dict[str, Any], directory: Path) -> N
             f"checkpoint {directory} was written with tp={lay['tp']}, pp={lay['pp']} but this run has "
             f"tp={tr.ctx.tp_size}, pp={tr.ctx.pp_size}; re-partition it with tools/checkpoint_convert.py "
             f"--target-tp {tr.ctx.tp_size} --target-pp {tr.ctx.pp_size}"
+        )
+    ours_split = layout_of(tr)["layers_per_stage"]
+    saved_split = lay.get("layers_per_stage", ours_split)  # older checkpoints: the even split, checked per tensor
+    if saved_split != ours_split:
+        raise ConfigError(
+            f"checkpoint {directory} was written with {saved_split} transformer layers per pipeline stage, this run "
+            f"splits them {ours_split}; pass the same --pipeline-layer-split and "
+            "--decoder-first/last-pipeline-num-layers"
         )
     saved_model = common["model_args"]  # its padded_vocab_size follows tp, checked above; the config's fields here
     ours = dataclasses.asdict(tr.run.model)

@@ -360,6 +360,14 @@ def _parallel_flags(t: FlagTable) -> None:
     t.add(g, "--sequence-parallel", switch=True, help="sequence parallelism in norms/dropout (needs tp > 1)")
     t.add(g, "--decoder-first-pipeline-num-layers", type=pi, default=None, help="layers on the first stage")
     t.add(g, "--decoder-last-pipeline-num-layers", type=pi, default=None, help="layers on the last stage")
+    t.add(
+        g,
+        "--pipeline-layer-split",
+        default="even",
+        choices=("even", "auto"),
+        help="layers per stage: Megatron's even split, or auto (the stage planner balances the embedding and the "
+        "output head; --decoder-first/last-pipeline-num-layers win when given)",
+    )
     t.add(g, "--allow-padding-num-layers", switch=True, help="allow stages with fewer layers when they do not split")
     t.add(g, "--distributed-timeout-minutes", type=fl, default=10.0, help="timeout of every collective")
     t.add(

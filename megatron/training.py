@@ -134,18 +134,8 @@ def _pretrain(
 
 
 def _model_flops(run: RunConfig) -> float:
-    m = run.model
     return model_flops_per_iteration(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        kv_channels=m.kv_channels,
-        ffn_hidden_size=m.ffn_hidden_size,
-        swiglu=m.swiglu,
-        seq_length=m.seq_length,
-        padded_vocab_size=run.padded_vocab_size,
-        global_batch_size=run.global_batch_size,
+        run.model, padded_vocab_size=run.padded_vocab_size, global_batch_size=run.global_batch_size
     )
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 from typing import Any, TextIO
 
 from megatron.config.logging_config import LoggingConfig
+from megatron.model.config import GPTConfig
+from megatron.model.cost_model import head_forward_flops_per_token, layer_forward_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -81,31 +83,16 @@ def format_validation_block(where: str, loss: float) -> str:
     return f"{rule}\n{line}\n{rule}"
 
 
-def model_flops_per_iteration(
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_attention_heads: int,
-    num_query_groups: int,
-    kv_channels: int,
-    ffn_hidden_size: int,
-    swiglu: bool,
-    seq_length: int,
-    padded_vocab_size: int,
-    global_batch_size: int,
-) -> float:
+def model_flops_per_iteration(config: GPTConfig, *, padded_vocab_size: int, global_batch_size: int) -> float:
     """Matmul FLOPs of one training iteration (forward + backward = 3x forward), counted as Megatron does.
 
     Per token and layer: QKV and output projections, the attention score and value products over the full
     sequence (no causal discount, as in Megatron), and the MLP (three matrices with SwiGLU); plus the logits.
+    The formulas are ``megatron.model.cost_model``'s (the stage planner's too).
     """
-    h, s = hidden_size, seq_length
-    q = num_attention_heads * kv_channels
-    kv = 2 * num_query_groups * kv_channels
-    attn = 2 * h * (q + kv) + 2 * 2 * s * q + 2 * q * h
-    mlp = 2 * h * ffn_hidden_size * (2 if swiglu else 1) + 2 * ffn_hidden_size * h
-    per_token = num_layers * (attn + mlp) + 2 * h * padded_vocab_size
-    return 3.0 * per_token * s * global_batch_size
+    per_token = config.num_layers * layer_forward_flops_per_token(config)
+    per_token += head_forward_flops_per_token(config, padded_vocab_size)
+    return 3.0 * per_token * config.seq_length * global_batch_size
 
 
 class TrainingLogger:

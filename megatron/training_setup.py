@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron.arguments import RunConfig, lr_schedule_length
+from megatron.arguments import RunConfig, apply_layer_split, lr_schedule_length
 from megatron.config.errors import ConfigError
 from megatron.data.document_masks import DocumentMaskedDataset, tokenizer_given
 from megatron.data.loader import CyclicOrder
@@ -41,7 +41,7 @@ def resolve_vocab(run: RunConfig) -> RunConfig:
     vocab = int(tokenizer.vocab_size)
     model = dataclasses.replace(run.model, vocab_size=vocab)
     data = dataclasses.replace(run.data, vocab_size=vocab)
-    return dataclasses.replace(run, model=model, data=data)
+    return apply_layer_split(dataclasses.replace(run, model=model, data=data))  # auto split needs the vocabulary
 
 
 def build_datasets(run: RunConfig, ctx: ParallelContext) -> tuple[Any, Any | None]:

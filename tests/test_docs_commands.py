@@ -68,6 +68,7 @@ SLOW: dict[tuple[str, str], str] = {
     ("docs/training.md", "--schedule-file"): "2 ranks running a plan file (~6 s)",
     ("docs/recompute.md", "--recompute-granularity"): "2 ranks, zb-h1 with full recomputation (~15 s)",
     ("docs/gpu.md", "--device cpu"): "the GPU check's measurement on CPU (~5 s)",
+    ("docs/planner.md", "planner_ckpt"): "a 2-rank zb-v run with a profiling window, then the plan from it (~20 s)",
     ("docs/data.md", "prepare_default_corpus"): "builds the default corpus and its tokenizer (2-6 s)",
     ("docs/huggingface.md", "--export-hf"): "trains, generates twice, exports, loads in transformers, imports (~20 s)",
 }

@@ -7,6 +7,7 @@ import torch
 
 from megatron.arguments import parse_run_config
 from megatron.microbatches import microbatch_indices
+from megatron.model.config import GPTConfig
 from megatron.training import pretrain
 from megatron.training_log import IterationStats, format_iteration_line, model_flops_per_iteration
 
@@ -73,10 +74,11 @@ def test_log_line_format_is_megatrons():
 
 def test_model_flops_count():
     # One layer, h=4, heads=1 (kv 4), ffn 16, s=2, V=8, batch 1: per token 2*4*12 + 2*2*2*4 + 2*4*4 + 2*4*16*2 + 2*4*8
-    flops = model_flops_per_iteration(
+    config = GPTConfig(
         num_layers=1, hidden_size=4, num_attention_heads=1, num_query_groups=1, kv_channels=4, ffn_hidden_size=16,
-        swiglu=False, seq_length=2, padded_vocab_size=8, global_batch_size=1,
+        swiglu=False, seq_length=2, vocab_size=8,
     )  # fmt: skip
+    flops = model_flops_per_iteration(config, padded_vocab_size=8, global_batch_size=1)
     assert flops == 3 * 2 * (96 + 32 + 32 + 256 + 64)
 
 

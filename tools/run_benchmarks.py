@@ -62,6 +62,12 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=1800.0,
     ),
     Benchmark(
+        "layer_split",
+        "tools/bench_layer_split.py",
+        "even against auto layer split (--pipeline-layer-split auto) on make train's model, real compute, pp = 2",
+        timeout_s=1800.0,
+    ),
+    Benchmark(
         "gpu_check",
         "tools/gpu_check.py",
         "one stage's F, B, W on CUDA (bf16): time, MFU, split cost",

@@ -22,6 +22,7 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     allow_padding_num_layers: bool = False
+    layer_split: str = "even"  # "even" (Megatron's) or "auto" (the stage planner: megatron.pipeline.layer_split)
     distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -31,6 +32,13 @@ class ParallelConfig:
             self.distributed_timeout_s > 0,
             f"distributed timeout {self.distributed_timeout_s}s must be > 0; "
             "set --distributed-timeout-minutes or --distributed-timeout-seconds to a positive value",
+        )
+        require(
+            self.layer_split in ("even", "auto"), f"--pipeline-layer-split={self.layer_split!r} must be even or auto"
+        )
+        require(
+            self.layer_split == "even" or self.pp_size > 1,
+            f"--pipeline-layer-split auto needs --pipeline-model-parallel-size > 1 (got {self.pp_size})",
         )
         for flag, value in (
             ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),

@@ -7,12 +7,15 @@ parallel context (chunks, placement), the stage builder and the runtime read one
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron.config.parallel import split_layers
 from megatron.pipeline.schedule_flags import ScheduleConfig
 from zb_pipeline.runtime.runtime import PlanSource
 from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.stage_planner import StagePlan
 
 
 @dataclass(frozen=True)
@@ -20,6 +23,21 @@ class PipelineLayout:
     plans: PlanSource
     schedule: Schedule  # the plan for the run's microbatch count
     layer_ranges: tuple[range, ...]  # virtual stage -> its transformer layers
+    split: str = "even"  # how the layers were split: "even", "explicit" (--decoder-first/last-...) or "auto"
+    split_plan: StagePlan | None = None  # "auto": the stage planner's answer (its predicted iteration)
+    even_iteration: float | None = None  # "auto": the even split's simulated iteration under the same model
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        return tuple(len(r) for r in self.layer_ranges)
+
+    def with_split(
+        self, sizes: Sequence[int], *, split: str, plan: StagePlan | None = None, even: float | None = None
+    ) -> PipelineLayout:
+        """The same plan with ``sizes`` layers per virtual stage (the stage planner's)."""
+        return dataclasses.replace(
+            self, layer_ranges=ranges_of(sizes), split=split, split_plan=plan, even_iteration=even
+        )
 
     @property
     def chunks(self) -> int:
@@ -51,8 +69,14 @@ def pipeline_layout(
     sizes = split_layers(
         num_layers, schedule.num_stages, first=first_stage_layers, last=last_stage_layers, allow_padding=allow_padding
     )
+    split = "even" if first_stage_layers is None and last_stage_layers is None else "explicit"
+    return PipelineLayout(plans, schedule, ranges_of(sizes), split=split)
+
+
+def ranges_of(sizes: Sequence[int]) -> tuple[range, ...]:
+    """Contiguous layer ranges of stages holding ``sizes`` layers, first to last."""
     ranges, start = [], 0
     for n in sizes:
         ranges.append(range(start, start + n))
         start += n
-    return PipelineLayout(plans, schedule, tuple(ranges))
+    return tuple(ranges)

@@ -47,6 +47,7 @@ from zb_pipeline.schedule import registry
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
     from megatron.parallel.data_parallel import DataParallelReducer
+    from megatron.pipeline.layout import PipelineLayout
     from megatron.trainer_state import Trainer
 
 
@@ -161,11 +162,25 @@ def pipeline_summary(run: RunConfig, pipe: GPTPipeline | None) -> dict[str, str]
     what = f"{s.name} from {run.pipeline.schedule_file}" if run.pipeline.schedule_file else s.name
     line = f"{what}: p={s.num_ranks}, m={s.num_microbatches}, {s.chunks} chunk(s) per rank ({s.placement} placement)"
     out = {"pipeline schedule": line}
+    layout = run.pipeline_layout
+    if layout is not None:
+        out["layers per stage"] = layer_split_summary(layout)
     if run.pipeline.emulate_compute:
         out["emulated compute"] = f"F,B,W[,OPT] = {run.pipeline.emulate_compute} ms (losses are 0)"
     if run.pipeline.trace_path:
         out["pipeline trace"] = run.pipeline.trace_path
     return out
+
+
+def layer_split_summary(layout: PipelineLayout) -> str:
+    """``[3, 1] (auto: predicted iteration 12% shorter than the even split's, analytic FLOPs model)``."""
+    text = f"{list(layout.layers_per_stage)} ({layout.split}"
+    plan = layout.split_plan
+    if plan is not None and layout.even_iteration:
+        text += f": simulated iteration {plan.iteration / layout.even_iteration - 1:+.1%} against the even split"
+    if plan is not None:
+        text += ", analytic FLOPs model"
+    return text + ")"
 
 
 def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelContext, log: Any) -> Any:
@@ -200,5 +215,6 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         group=ctx.pp_group,
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
+        stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
     )
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration

@@ -9,6 +9,7 @@ rank alike and log the predicted bubble rate and memory.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -122,6 +123,7 @@ class WindowReplanner:
     save_path: str | None = None
     log: Callable[[str], None] = print
     broadcast_src: int | None = 0  # global rank whose profile every rank adopts (None: keep the group's own)
+    stage_layers: tuple[int, ...] = ()  # layers per virtual stage, recorded in the profile (the stage planner's input)
     profiler: ActionProfiler | None = field(default=None, init=False)
     profile: Profile | None = field(default=None, init=False)
     replan: Replan | None = field(default=None, init=False)
@@ -156,6 +158,8 @@ class WindowReplanner:
             return None
         profile = self.profiler.gather(group=self.group)
         profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
+        if self.stage_layers:
+            profile = dataclasses.replace(profile, stage_layers=tuple(self.stage_layers))
         self.profile = profile
         current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
         replan = regenerate(profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit)

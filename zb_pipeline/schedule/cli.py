@@ -9,6 +9,8 @@
     zb-schedule compare -p 4 -m 8 [cost flags] [--png chart.png] [--json]
     zb-schedule validate plan.json [cost flags] [--mem-limit L]
     zb-schedule certify NAME|plan.json -p 4 -m 8 [cost flags] [--mem-limit L] [--time-limit S] [--json]
+    zb-schedule plan NAME -m 8 (--profile prof.json | -p 4 --num-layers L --layer F,B,W,MEM ...)  (stage planner:
+                                                                       layers and recompute per stage)
 
 Every command that takes cost flags also takes ``--profile prof.json`` (a measured profile, see
 ``zb_pipeline.runtime.profiler``): its per-stage costs in ms and memory deltas in bytes replace the flags.
@@ -32,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from zb_pipeline.schedule import certify, limits, registry
+from zb_pipeline.schedule import certify, limits, plan_cli, registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
@@ -472,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.set_defaults(fn=cmd_validate)
     certify.add_parser(sub, shape_args=_add_shape_args, check=_check_shape, plan=_plan, costs=_build_costs)
+    plan_cli.add_parser(sub)
     return parser
 
 

@@ -23,6 +23,7 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
 from zb_pipeline.schedule.registry import placement_of
 from zb_pipeline.schedule.simulate import simulate
+from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
 
 PROFILE_VERSION = 1
 # How a profile summarises each stage's samples: the median (the typical cost, to plan with) or the mean (to
@@ -63,6 +64,8 @@ class Profile:
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
     mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
     mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
+    stage_layers: tuple[int, ...] = ()  # transformer layers per virtual stage when profiled (() = not recorded)
+    parts: dict[str, Any] | None = None  # per-part costs for the stage planner (stage_planner.ModelCosts.from_dict)
 
     @property
     def num_stages(self) -> int:
@@ -147,6 +150,32 @@ class Profile:
             mem_b_transient=share(mt),  # spread over the new chunks like the deltas
             mem_bw_transient=share(mtw),
         )
+
+    def model_costs(self) -> ModelCosts:
+        """The stage planner's per-part costs: the ``parts`` entry, or else derived from the stage medians and
+        ``stage_layers``: a layer is what the stages without embedding and head cost per layer, the embedding and
+        the head are what the first and the last stage cost beyond their layers (needs >= 3 virtual stages)."""
+        if self.parts is not None:
+            return ModelCosts.from_dict(self.parts)
+        S = self.num_stages
+        n = self.stage_layers
+        if len(n) != S or S < 3 or sum(n[1:-1]) == 0:
+            raise ValueError(
+                "profile has no per-part costs: add a 'parts' entry (num_layers, layer, embedding, head), or profile "
+                "with >= 3 virtual stages and record 'stage_layers'"
+            )
+        per = [(self.f[s], *self._split(s), self.mem_f[s], self.mem_b[s]) for s in range(S)]
+        mid = range(1, S - 1)
+        layer = [sum(per[s][k] for s in mid) / sum(n[s] for s in mid) for k in range(5)]
+
+        def beyond(s: int) -> PartCosts:
+            v = [max(0.0, per[s][k] - n[s] * layer[k]) for k in range(4)]
+            mem_b = max(-v[3], per[s][4] - n[s] * layer[4])  # F keeps >= 0, and >= 0 is held after B
+            return PartCosts(f=v[0], b=v[1], w=v[2], mem_f=v[3], mem_b=mem_b)
+
+        kept = max(0.0, layer[3])
+        lay = PartCosts(f=layer[0], b=layer[1], w=layer[2], mem_f=kept, mem_b=max(-kept, layer[4]))
+        return ModelCosts(num_layers=sum(n), layer=lay, embedding=beyond(0), head=beyond(S - 1), comm=self.comm)
 
     def microbatch_bytes(self) -> float:
         """The most any rank holds for one microbatch (its share's ``max(mem_f, mem_f + mem_b)``)."""

@@ -1,0 +1,70 @@
+"""``--pipeline-layer-split auto``: each virtual stage's transformer layers from the stage planner at start-up.
+
+The planner (``zb_pipeline.schedule.stage_planner``) takes the analytic cost model (``megatron.model.cost_model``:
+FLOPs of a layer, the embedding, the head with the loss) and the run's plan shape, and returns the split with the
+shortest simulated iteration; ``PipelineLayout`` then carries its layer ranges, so the stage builder, the parallel
+context and the checkpoint all read one answer.  Explicit ``--decoder-first/last-pipeline-num-layers`` win (the
+split stays ``"explicit"``).  The vocabulary must be known (the head's cost is vocabulary-wide): with real data and
+no ``--vocab-size`` the split is planned once the tokenizer is built (``training_setup.resolve_vocab``), before any
+stage is built (``megatron.arguments.apply_layer_split``).  ``recompute`` is the hook for activation
+recomputation's per-layer effect (none passed yet: ``--recompute-granularity auto`` belongs with recompute).
+"""
+
+from __future__ import annotations
+
+from megatron.config.errors import ConfigError, require
+from megatron.config.parallel import ParallelConfig
+from megatron.model.config import GPTConfig
+from megatron.model.cost_model import model_costs
+from megatron.pipeline.layout import PipelineLayout
+from zb_pipeline.schedule.stage_planner import RecomputeOption, StagePlan, evaluate_split, even_split, plan_stages
+
+
+def auto_layer_split(
+    layout: PipelineLayout,
+    model: GPTConfig,
+    *,
+    schedule: str,
+    schedule_file: str | None,
+    padded_vocab_size: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    bytes_per_element: int,
+    recompute: tuple[RecomputeOption, ...] = (),
+) -> PipelineLayout:
+    """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
+    ``recompute``: the options a stage may take (the hook for ``--recompute-granularity auto``; none yet)."""
+    if schedule_file is not None:
+        raise ConfigError(
+            "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
+        )
+    costs = model_costs(
+        model,
+        padded_vocab_size=padded_vocab_size,
+        micro_batch_size=micro_batch_size,
+        bytes_per_element=bytes_per_element,
+        recompute=recompute,
+    )
+    shape = dict(
+        schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
+    )
+    try:
+        plan: StagePlan = plan_stages(costs, **shape)
+    except ValueError as err:
+        raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
+    even = even_split(costs.num_layers, layout.schedule.num_stages)
+    even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
+    return layout.with_split(plan.layers, split="auto", plan=plan, even=even_time)
+
+
+def wants_auto_split(layout: PipelineLayout | None, parallel: ParallelConfig, virtual_stage_layers: int | None) -> bool:
+    """Whether ``--pipeline-layer-split auto`` still has to plan ``layout`` (pp > 1, no explicit split, not planned
+    yet); ``ConfigError`` when it cannot (``--num-layers-per-virtual-pipeline-stage`` fixes the layers already)."""
+    if layout is None or parallel.layer_split != "auto" or layout.split != "even":
+        return False
+    require(
+        virtual_stage_layers is None,
+        "--pipeline-layer-split auto chooses each virtual stage's layers: drop --num-layers-per-virtual-pipeline-stage "
+        "(the schedule's default chunks apply) or the auto split",
+    )
+    return True

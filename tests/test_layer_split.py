@@ -1,0 +1,133 @@
+"""``--pipeline-layer-split auto``: the analytic cost model through the stage planner into the pipeline layout."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron.arguments import apply_layer_split, parse_run_config
+from megatron.config.errors import ConfigError
+from megatron.model.config import GPTConfig
+from megatron.model.cost_model import model_costs
+from megatron.training_log import model_flops_per_iteration
+from zb_pipeline.schedule.stage_planner import evaluate_split
+
+# make train's model (tools/make_train.py): 4 layers, hidden 128, 4 heads, sequence 128, vocabulary 4096, pp = 2,
+# 4 microbatches of 2 per data-parallel replica (global batch 16 over dp = 2).
+MAKE_TRAIN = [
+    "--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+    "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "16", "--train-iters", "2",
+    "--lr", "1e-3", "--pipeline-model-parallel-size", "2", "--mock-data", "--vocab-size", "4096",
+]  # fmt: skip
+
+
+def test_auto_split_on_make_train_model_moves_a_layer_off_the_head_stage() -> None:
+    even = parse_run_config(MAKE_TRAIN, world_size=4).pipeline_layout
+    auto = parse_run_config([*MAKE_TRAIN, "--pipeline-layer-split", "auto"], world_size=4).pipeline_layout
+    assert even.layers_per_stage == (2, 2) and even.split == "even"
+    # The head (about two layers of FLOPs) sits on the last stage: the planner gives it fewer layers.
+    assert auto.split == "auto" and auto.layers_per_stage == (3, 1)
+    assert [r for r in auto.layer_ranges] == [range(0, 3), range(3, 4)]
+    assert auto.split_plan.iteration < auto.even_iteration
+    # The even split's prediction is the same model and plan simulated with (2, 2).
+    config = GPTConfig(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=4096, seq_length=128)
+    model = model_costs(config, padded_vocab_size=4096, micro_batch_size=2)
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    assert evaluate_split(model, (2, 2), **shape)[0] == pytest.approx(auto.even_iteration)
+    assert evaluate_split(model, (3, 1), **shape)[0] == pytest.approx(auto.split_plan.iteration)
+
+
+def test_cost_model_is_the_logged_flops_formula() -> None:
+    config = GPTConfig(num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=32, swiglu=True)
+    m = model_costs(config, padded_vocab_size=512, micro_batch_size=2)
+    layer = m.layer.f + m.layer.b + m.layer.w
+    head = m.head.w * 3  # the logits matmul three times (the loss's element-wise work is not in the logged count)
+    tokens = 32 * 2
+    logged = model_flops_per_iteration(config, padded_vocab_size=512, global_batch_size=2)
+    assert (3 * layer + head) * 1e9 / tokens * tokens == pytest.approx(logged)
+    assert m.layer.b > m.layer.w and m.head.f > m.head.w  # attention core and the loss: B and F only
+
+
+def test_explicit_split_wins_and_the_vocabulary_is_waited_for() -> None:
+    run = parse_run_config(
+        [*MAKE_TRAIN, "--pipeline-layer-split", "auto", "--decoder-last-pipeline-num-layers", "2"], world_size=4
+    )
+    assert run.pipeline_layout.split == "explicit" and run.pipeline_layout.layers_per_stage == (2, 2)
+    # Without the vocabulary (real data, no --vocab-size) the split waits; resolve_vocab plans it.
+    auto = parse_run_config([*MAKE_TRAIN, "--pipeline-layer-split", "auto"], world_size=4)
+    unknown = dataclasses.replace(
+        auto,
+        model=dataclasses.replace(auto.model, vocab_size=0),
+        pipeline_layout=parse_run_config(MAKE_TRAIN, world_size=4).pipeline_layout,
+    )
+    assert apply_layer_split(unknown) is unknown
+    known = dataclasses.replace(unknown, model=auto.model)
+    assert apply_layer_split(known).pipeline_layout.layers_per_stage == (3, 1)
+
+
+def test_auto_split_serves_layers_that_do_not_divide() -> None:
+    argv = [*MAKE_TRAIN, "--pipeline-layer-split", "auto"]
+    argv[argv.index("--num-layers") + 1] = "5"
+    layout = parse_run_config(argv, world_size=4).pipeline_layout
+    assert sum(layout.layers_per_stage) == 5 and layout.layers_per_stage[0] > layout.layers_per_stage[1]
+    assert layout.even_iteration is None
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--pipeline-model-parallel-size", "1"], "needs --pipeline-model-parallel-size > 1"),
+        (["--num-layers", "1"], "at least 1 layer"),
+        (["--pipeline-schedule", "interleaved-1f1b", "--num-layers-per-virtual-pipeline-stage", "1"], "drop --num"),
+    ],
+)
+def test_bad_auto_split_is_a_config_error(extra, message) -> None:
+    argv = [*MAKE_TRAIN, "--pipeline-layer-split", "auto"]
+    for i in range(0, len(extra), 2):
+        if extra[i] in argv:
+            argv[argv.index(extra[i]) + 1] = extra[i + 1]
+        else:
+            argv += extra[i : i + 2]
+    with pytest.raises(ConfigError, match=message):
+        parse_run_config(argv, world_size=4)
+
+
+def test_checkpoint_of_another_split_is_refused_with_the_flags_to_pass(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from megatron.checkpointing import _check_compatible, layout_of
+
+    def trainer(argv: list[str]) -> SimpleNamespace:
+        run = parse_run_config(argv, world_size=2)
+        ctx = SimpleNamespace(tp_size=1, pp_size=2, dp_size=1, world_size=2)
+        return SimpleNamespace(run=run, ctx=ctx)
+
+    even, auto = trainer(MAKE_TRAIN), trainer([*MAKE_TRAIN, "--pipeline-layer-split", "auto"])
+    common = {"layout": layout_of(auto), "model_args": dataclasses.asdict(auto.run.model)}
+    assert common["layout"]["layers_per_stage"] == [3, 1]
+    _check_compatible(auto, common, tmp_path)  # the same split resumes
+    with pytest.raises(ConfigError, match=r"written with \[3, 1\] .* splits them \[2, 2\]; pass the same"):
+        _check_compatible(even, common, tmp_path)
+
+
+@pytest.mark.slow
+def test_auto_split_trains_the_even_splits_losses_and_resumes_bit_exact(tmp_path) -> None:
+    """pp = 2, zb-h1, a head of about 2.6 layers: the auto split [3, 1] gives the even split's losses bit for bit (the
+    split only moves layers between ranks), and 3 steps saved + 3 resumed equal 6 in one launch."""
+    from test_pipeline_training import BASE, _pipeline
+
+    from megatron import checkpoint_files as cf
+
+    argv = [*BASE, "--train-iters", "6", "--global-batch-size", "8", "--eval-iters", "0"]
+    argv[argv.index("--vocab-size") + 1] = "1000"
+    argv += ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"]
+    auto = [*argv, "--pipeline-layer-split", "auto"]
+    assert parse_run_config(auto, world_size=2).pipeline_layout.layers_per_stage == (3, 1)
+    full = _pipeline(auto, 2)[0]["losses"]
+    assert _pipeline(argv, 2)[0]["losses"] == full
+    ckpt = str(tmp_path / "auto")
+    first = _pipeline([*auto, "--save", ckpt, "--exit-interval", "3"], 2)[0]["losses"]
+    assert cf.read_tracker(ckpt) == 3
+    second = _pipeline([*auto, "--load", ckpt], 2)[0]["losses"]
+    assert first + second == full

@@ -1,0 +1,141 @@
+"""The stage planner against brute force on the simulator: every split and recompute choice of small models."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.memory import peak_memory
+from zb_pipeline.schedule.simulate import simulate
+from zb_pipeline.schedule.stage_planner import (
+    ModelCosts,
+    PartCosts,
+    PlannerError,
+    RecomputeOption,
+    plan_stages,
+    smallest_mem_limit,
+)
+
+# A layer: F 1, B 1, W 0.8; F keeps 4 units.  Full recompute re-runs F in B and keeps only the layer input (1 unit),
+# B then holds what W needs (2 units).  The head costs about two layers, the embedding almost nothing.
+LAYER = PartCosts(f=1.0, b=1.0, w=0.8, mem_f=4.0)
+EMBEDDING = PartCosts(f=0.05, b=0.01, w=0.05, mem_f=0.5)
+HEAD = PartCosts(f=2.1, b=2.0, w=1.9, mem_f=6.0)
+FULL = RecomputeOption("full", b_extra=1.0, mem_f=1.0, mem_b=2.0)
+SELECTIVE = RecomputeOption("selective", b_extra=0.3, mem_f=3.0)
+
+
+def model(num_layers: int, *, recompute: tuple[RecomputeOption, ...] = (), comm: float = 0.0) -> ModelCosts:
+    return ModelCosts(
+        num_layers=num_layers, layer=LAYER, embedding=EMBEDDING, head=HEAD, comm=comm, recompute=recompute
+    )
+
+
+def compositions(total: int, parts: int):
+    for cut in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cut, total)
+        yield tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def brute_force(mc: ModelCosts, name: str, p: int, m: int, chunks: int, mem_limit: float | None):
+    """Every candidate: (end time, peak, layers, options) of those the generator serves within the limit."""
+    S = p * chunks
+    out = []
+    for layers in compositions(mc.num_layers, S):
+        for opts in itertools.product(range(len(mc.recompute) + 1), repeat=S):
+            costs = mc.stage_costs(layers, opts)
+            try:
+                plan = registry.generate(name, p, m, chunks=chunks, costs=costs, mem_limit=mem_limit)
+            except ValueError:
+                continue
+            peak = max(peak_memory(plan, costs))
+            if mem_limit is not None and peak > mem_limit:
+                continue
+            out.append((simulate(plan, costs).end_time, peak, layers, opts))
+    return out
+
+
+CASES = [
+    ("1f1b", 2, 4, 1, 6, ()),
+    ("zb-h1", 3, 6, 1, 7, ()),
+    ("zb-h1", 2, 4, 1, 5, (FULL,)),
+    ("zb-h2", 2, 4, 1, 6, (FULL,)),
+    ("zb-v", 2, 4, 2, 6, ()),
+    ("interleaved-1f1b", 2, 4, 2, 6, ()),
+    ("zb-auto", 2, 4, 1, 5, (FULL,)),
+]
+
+
+@pytest.mark.parametrize("name,p,m,chunks,num_layers,rec", CASES)
+def test_split_is_optimal_against_brute_force(name, p, m, chunks, num_layers, rec) -> None:
+    mc = model(num_layers, recompute=rec, comm=0.05)
+    got = plan_stages(mc, schedule=name, num_ranks=p, num_microbatches=m, chunks=chunks)
+    best = min(c[0] for c in brute_force(mc, name, p, m, chunks, None))
+    assert got.exact
+    assert got.iteration == pytest.approx(best, rel=1e-12)
+    assert sum(got.layers) == num_layers and len(got.layers) == p * chunks and min(got.layers) >= 1
+    # The answer is what it says: its own costs simulate to its iteration.
+    assert simulate(got.schedule, got.costs).end_time == pytest.approx(got.iteration, rel=1e-12)
+    assert got.costs == mc.stage_costs(got.layers, [mc.option_names().index(r) for r in got.recompute])
+
+
+def test_head_heavy_model_moves_layers_off_the_last_stage() -> None:
+    got = plan_stages(model(4), schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    even = model(4).stage_costs((2, 2), (0, 0))
+    assert got.layers == (3, 1)
+    assert got.iteration < simulate(registry.generate("zb-h1", 2, 4), even).end_time
+
+
+def test_recompute_choice_between_zb_h1_and_zb_h2_peaks() -> None:
+    """A limit between ZB-H1's and ZB-H2's peaks: ZB-H2 without recompute does not fit; the planner's choice is the
+    candidate with the shortest simulated iteration that does, and it recomputes somewhere."""
+    p, m, L = 2, 6, 6
+    mc = model(L, recompute=(FULL, SELECTIVE))
+    even = mc.stage_costs((3, 3), (0, 0))
+    h1 = max(peak_memory(registry.generate("zb-h1", p, m, costs=even), even))
+    h2 = max(peak_memory(registry.generate("zb-h2", p, m, costs=even), even))
+    limit = (h1 + h2) / 2
+    assert h1 < limit < h2
+    got = plan_stages(mc, schedule="zb-h2", num_ranks=p, num_microbatches=m, mem_limit=limit)
+    fits = brute_force(mc, "zb-h2", p, m, 1, limit)
+    best = min(fits)
+    assert got.iteration == pytest.approx(best[0], rel=1e-12)
+    assert max(got.peak_memory) <= limit
+    assert any(r != "none" for r in got.recompute)
+    # No recompute anywhere does not fit, whatever the split.
+    assert not [c for c in fits if not any(c[3])]
+    unlimited = plan_stages(mc, schedule="zb-h2", num_ranks=p, num_microbatches=m)
+    assert unlimited.iteration <= got.iteration and max(unlimited.peak_memory) > limit
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2"])
+def test_infeasible_limit_names_the_smallest_that_works(name) -> None:
+    p, m, L = 2, 4, 5
+    mc = model(L, recompute=(FULL,))
+    smallest = min(c[1] for c in brute_force(mc, name, p, m, 1, None))
+    assert smallest_mem_limit(mc, schedule=name, num_ranks=p, num_microbatches=m) == pytest.approx(smallest, rel=0.005)
+    with pytest.raises(PlannerError, match=r"the smallest limit that works is ([0-9.e+]+)") as err:
+        plan_stages(mc, schedule=name, num_ranks=p, num_microbatches=m, mem_limit=smallest * 0.99)
+    named = float(str(err.value).rsplit(" ", 1)[1])
+    assert named == pytest.approx(smallest, rel=0.005)
+    assert max(plan_stages(mc, schedule=name, num_ranks=p, num_microbatches=m, mem_limit=named).peak_memory) <= named
+
+
+def test_evaluation_cap_says_the_answer_is_not_proven() -> None:
+    mc = model(12, recompute=(FULL,))
+    got = plan_stages(mc, schedule="1f1b", num_ranks=4, num_microbatches=8, max_evaluations=1)
+    assert got.evaluations == 1 and not got.exact and math.isfinite(got.iteration)
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="at least 1 layer"):
+        plan_stages(model(3), schedule="zb-h1", num_ranks=4, num_microbatches=4)
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
+        PartCosts(f=-1.0, b=1.0, w=1.0)
+    with pytest.raises(ValueError, match="reserved"):
+        RecomputeOption("none", b_extra=1.0, mem_f=1.0)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        plan_stages(model(4), schedule="nope", num_ranks=2, num_microbatches=4)
