@@ -8,7 +8,8 @@ does not support) is a ``ConfigError`` -- one line, exit 2 -- before any process
 - the linears' ``wgrad_fn``: ``weight_grad.accumulate_weight_grad`` (off: ``--no-gradient-accumulation-fusion``);
 - the norms' ``kernel``: ``norms.triton_layer_norm`` / ``norms.triton_rms_norm``;
 - ``MLP.activation_kernel``: ``activations.triton_bias_gelu`` / ``triton_bias_swiglu`` (off:
-  ``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``);
+  ``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``; the GeLU kernel is the exact one, so ``--openai-gelu``
+  and ``--squared-relu`` stay on torch);
 - ``GPTStage.cross_entropy_kernel``: ``cross_entropy.fused_vocab_parallel_cross_entropy`` (on:
   ``--cross-entropy-loss-fusion``).
 
@@ -149,6 +150,7 @@ def _check_transformer_engine_model(model: GPTConfig) -> None:
             ("--qk-layernorm", model.qk_layernorm),
             ("--apply-layernorm-1p", model.apply_layernorm_1p),
             ("--squared-relu", model.squared_relu),
+            ("--openai-gelu", model.openai_gelu),
             ("--fp32-residual-connection", model.fp32_residual_connection),
         )
         if on
@@ -190,13 +192,15 @@ def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> 
         if explicit:
             raise ConfigError(f"--kernels triton: {problem}; use --kernels torch")
         notes.append(f"{model.normalization} (hidden size {model.hidden_size} > {MAX_NORM_HIDDEN})")
-    is_gelu = not model.swiglu and not model.squared_relu
+    is_gelu = not model.swiglu and not model.squared_relu and not model.openai_gelu  # the kernel's exact GeLU
     gelu = is_gelu and config.bias_gelu_fusion
     swiglu = model.swiglu and config.bias_swiglu_fusion
     if is_gelu and not config.bias_gelu_fusion:
         notes.append("GeLU (--no-bias-gelu-fusion)")
     if model.squared_relu:
         notes.append("squared ReLU (no fused kernel)")
+    if model.openai_gelu:
+        notes.append("tanh GeLU (--openai-gelu; the fused kernel is the exact GeLU)")
     if model.swiglu and not config.bias_swiglu_fusion:
         notes.append("SwiGLU (--no-bias-swiglu-fusion)")
     if not config.gradient_accumulation_fusion:
@@ -260,7 +264,7 @@ def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
         if isinstance(module, MLP):
             if module.swiglu and selection.bias_swiglu:
                 module.activation_kernel = triton_bias_swiglu
-            elif not module.swiglu and not module.squared_relu and selection.bias_gelu:
+            elif selection.bias_gelu and module.is_exact_gelu:
                 module.activation_kernel = triton_bias_gelu
         if selection.cross_entropy and isinstance(module, GPTStage):
             module.cross_entropy_kernel = fused_vocab_parallel_cross_entropy
