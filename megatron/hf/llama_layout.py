@@ -107,7 +107,7 @@ def _rope_theta(hf: dict[str, Any]) -> float:
             raise ConfigError(f"the model has rotary scaling (rope_type={kind!r}), which our GPT model does not have")
     partial = float(params.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0)))
     partial = float(hf.get("partial_rotary_factor", partial))
-    if partial != 1.0:  # transformers' Llama rotates every channel whatever this says (its rotary table is shorter)
+    if partial != 1.0:  # transformers' Llama (5.24) ignores it and rotates every channel: an ambiguous model
         raise ConfigError(
             f"the model has partial rotary embeddings (partial_rotary_factor={partial}), which "
             "transformers' Llama does not apply"
