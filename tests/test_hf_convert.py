@@ -10,12 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 from data_assets import tool, train_small_bpe
 from model_configs import TINY, tiny_config
 
+from megatron.kernels.triton_runtime import import_triton, triton_importable
+
+# transformers imports triton; megatron.kernels must choose its mode first (the interpreter without CUDA), or the
+# kernel tests that run after this module in the same session cannot
+if triton_importable() and "triton" not in sys.modules:
+    import_triton()
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[test])")
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
