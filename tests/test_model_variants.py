@@ -291,12 +291,12 @@ def test_kernel_selection_respects_the_variants(monkeypatch) -> None:
     assert not k.bias_gelu and not k.norms  # no fused squared ReLU; the Triton norms take one dtype
     assert "squared ReLU (no fused kernel)" in k.torch_notes
     k = select.resolve_kernels(KernelConfig(kernels="triton"), tiny_config(openai_gelu=True), on_cuda=True)
-    assert not k.bias_gelu and any("--openai-gelu" in note for note in k.torch_notes)  # the kernel is erf GeLU
+    assert k.bias_gelu and k.gelu_approximate == "tanh" and "bias-GeLU (tanh)" in k.describe()
     monkeypatch.setattr(select, "transformer_engine_problem", lambda: None)
     monkeypatch.setattr(select, "transformer_engine_version", lambda: "2.3")
     te = KernelConfig(kernels="torch", transformer_impl="transformer_engine")
     assert select.resolve_kernels(te, tiny_config(), on_cuda=True).transformer_impl == "transformer_engine"
     with pytest.raises(ConfigError, match="does not build --qk-layernorm, --squared-relu here"):
         select.resolve_kernels(te, tiny_config(qk_layernorm=True, squared_relu=True), on_cuda=True)
-    with pytest.raises(ConfigError, match="does not build --openai-gelu here"):
-        select.resolve_kernels(te, tiny_config(openai_gelu=True), on_cuda=True)
+    # TE's GeLU is the tanh approximation (transformer_engine/common/util/math.h): --openai-gelu is its own
+    assert select.resolve_kernels(te, tiny_config(openai_gelu=True), on_cuda=True).transformer_impl != "local"

@@ -25,8 +25,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        # the exact (erf) GeLU: the one activation the fused bias-GeLU kernel computes
-        self.is_exact_gelu = not (config.swiglu or config.squared_relu or config.openai_gelu)
+        self.is_gelu = not (config.swiglu or config.squared_relu)  # erf, or tanh with --openai-gelu
         ffn, bias = config.ffn_hidden_size, config.add_bias_linear
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
