@@ -271,6 +271,12 @@ def _model_variant_flags(t: FlagTable, g: argparse._ArgumentGroup) -> None:
     m(g, "--squared-relu", switch=True, help="relu(x)^2 MLP activation instead of GeLU")
     m(
         g,
+        "--openai-gelu",
+        switch=True,
+        help="GeLU's tanh approximation (OpenAI's GPT-2 'gelu_new') instead of the exact erf GeLU",
+    )
+    m(
+        g,
         "--fp32-residual-connection",
         switch=True,
         help="keep the residual stream (and pipeline boundary tensors) in fp32 under --bf16/--fp16",

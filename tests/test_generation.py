@@ -24,6 +24,8 @@ TOL = 1e-5  # fp32; only the attention's summation order differs between the two
 VARIANTS = {
     "gpt2": dict(),
     "llama-gqa": dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False),
+    # the model variants that change the attention: RoPE on half of each head's channels, q/k norms
+    "rope-partial-qknorm": dict(position_embedding_type="rope", rotary_percent=0.5, qk_layernorm=True),
 }
 
 
@@ -127,16 +129,24 @@ def test_training_run_records_its_tokenizer(tmp_path, capsys) -> None:
     from megatron.training import pretrain
 
     tok = train_small_bpe(str(tmp_path / "tok"), vocab_size=300)
+    # trained with the per-document and attention variants; generation reads them from the checkpoint's model
     argv = [
         "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "16",
         "--mock-data", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", tok["vocab_file"],
         "--merge-file", tok["merge_file"], "--micro-batch-size", "1", "--global-batch-size", "1",
         "--train-iters", "1", "--eval-iters", "0", "--lr", "1e-3", "--save", str(tmp_path / "ckpt"),
+        "--reset-position-ids", "--reset-attention-mask", "--position-embedding-type", "rope",
+        "--rotary-percent", "0.5", "--qk-layernorm",
     ]  # fmt: skip
     pretrain(parse_run_config(argv), stream=io.StringIO())
     manifest = cf.read_manifest(cf.iteration_dir(tmp_path / "ckpt", 1))
     assert {"tokenizer/vocab.json", "tokenizer/merges.txt"} <= set(manifest)
+    model, _ = load_for_generation(tmp_path / "ckpt")
+    assert model.config.qk_layernorm and model.config.rotary_dim == 4
     argv = ["--load", str(tmp_path / "ckpt"), "--prompt", "fox", "--max-new-tokens", "8", "--json"]
-    assert tool("generate").main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert 1 <= len(out["generated_ids"]) <= 8 and max(out["generated_ids"]) < 300
+    outs = []
+    for extra in ([], ["--no-kv-cache"]):
+        assert tool("generate").main([*argv, *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert 1 <= len(outs[0]["generated_ids"]) <= 8 and max(outs[0]["generated_ids"]) < 300
+    assert outs[0] == outs[1]  # the KV cache changes nothing (same seed, same draws)

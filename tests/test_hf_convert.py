@@ -8,13 +8,21 @@ exactly the tp = 1 / pp = 1 import.  All models are tiny and random, built here;
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 
 import pytest
 import torch
 from data_assets import tool, train_small_bpe
-from model_configs import tiny_config
+from model_configs import TINY, tiny_config
 
+from megatron.kernels.triton_runtime import import_triton, triton_importable
+
+# transformers imports triton; megatron.kernels must choose its mode first (the interpreter without CUDA), or the
+# kernel tests that run after this module in the same session cannot
+if triton_importable() and "triton" not in sys.modules:
+    import_triton()
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[test])")
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
@@ -23,8 +31,10 @@ from safetensors.torch import load_file  # noqa: E402
 
 from megatron.arguments import parse_run_config  # noqa: E402
 from megatron.checkpoint_repartition import read_full_model, write_model_checkpoint  # noqa: E402
+from megatron.config.errors import ConfigError  # noqa: E402
 from megatron.generation import SamplingConfig, generate, model_from_state  # noqa: E402
 from megatron.hf import export_hf, import_hf  # noqa: E402
+from megatron.hf.convert import fold_layernorm_1p, layout_for  # noqa: E402
 from megatron.model import GPTConfig, build_gpt_model  # noqa: E402
 from megatron.model.config import model_flags  # noqa: E402
 from megatron.tokenizer.build import TokenizerConfig  # noqa: E402
@@ -49,7 +59,11 @@ OURS = {
     "llama-biases-tied": dict(
         vocab_size=VOCAB, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, kv_channels=12
     ),
+    # --openai-gelu is GPT-2's gelu_new; --apply-layernorm-1p is folded into the norm weights on export
+    "gpt2-tanh-gelu-1p": dict(vocab_size=VOCAB, num_query_groups=4, openai_gelu=True, apply_layernorm_1p=True),
+    "gpt2-relu2": dict(vocab_size=VOCAB, num_query_groups=4, squared_relu=True, fp32_residual_connection=True),
 }
+ACTIVATION = {"gpt2-tied": "gelu", "gpt2-tanh-gelu-1p": "gelu_new", "gpt2-relu2": "relu2"}
 
 
 def _our_model(variant: str):
@@ -81,6 +95,8 @@ def test_export_logits_match_and_import_round_trip_is_exact(variant: str, tmp_pa
     tables = ("wte.weight", "embed_tokens.weight", "lm_head.weight")
     rows = {n: t.shape[0] for n, t in tensors.items() if n.endswith(tables)}
     assert set(rows.values()) == {VOCAB} and ("lm_head.weight" in rows) == (not config.tied_embeddings)
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config.get("activation_function") == ACTIVATION.get(variant)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.dtype == torch.float32
     tokens = _tokens()
@@ -91,9 +107,11 @@ def test_export_logits_match_and_import_round_trip_is_exact(variant: str, tmp_pa
     assert (ours - theirs).abs().max().item() <= TOL
     import_hf(tmp_path / "hf", tmp_path / "back")
     back, common = read_full_model(tmp_path / "back")
-    assert back.keys() == full.keys() and all(torch.equal(back[n], full[n]) for n in full)
+    folded, plain = fold_layernorm_1p(full, config)  # a 1p model comes back as the plain model it equals
+    assert plain.apply_layernorm_1p is False and (plain == config) == (not config.apply_layernorm_1p)
+    assert back.keys() == full.keys() and all(torch.equal(back[n], folded[n]) for n in full)
     args = {k: v for k, v in common["model_args"].items() if k != "padded_vocab_size"}  # follows tp
-    assert GPTConfig(**args) == config
+    assert GPTConfig(**args) == plain
     prompt = [3, 14, 15, 92, 65]
     ours_greedy = generate(model_from_state(config, full), prompt, SamplingConfig(max_new_tokens=10, temperature=0))
     assert ours_greedy == _greedy_hf(hf, prompt, 10)
@@ -101,11 +119,13 @@ def test_export_logits_match_and_import_round_trip_is_exact(variant: str, tmp_pa
 
 def _hf_model(kind: str):
     torch.manual_seed(5)
-    if kind == "gpt2":
+    if kind.startswith("gpt2"):  # "gpt2": the exact GeLU; "gpt2-gelu_new": the released GPT-2's tanh GeLU
         cfg = transformers.GPT2Config(
             vocab_size=VOCAB, n_positions=24, n_embd=32, n_layer=2, n_head=4, activation_function="gelu",
             initializer_range=0.3, layer_norm_epsilon=1e-5,
         )  # fmt: skip
+        if kind == "gpt2-gelu_new":
+            cfg.activation_function = "gelu_new"
         return transformers.GPT2LMHeadModel(cfg).eval()
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
@@ -115,11 +135,12 @@ def _hf_model(kind: str):
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2-gelu_new", "llama"])
 def test_import_of_a_transformers_model(kind: str, tmp_path) -> None:
     hf = _hf_model(kind)
     hf.save_pretrained(tmp_path / "hf")
     _, config = import_hf(tmp_path / "hf", tmp_path / "tp1", seq_length=16)
+    assert config.openai_gelu == (kind == "gpt2-gelu_new")
     import_hf(tmp_path / "hf", tmp_path / "tp2pp2", tp=2, pp=2, seq_length=16)
     full, common = read_full_model(tmp_path / "tp1")
     split, _ = read_full_model(tmp_path / "tp2pp2")
@@ -178,10 +199,10 @@ def test_unsupported_models_are_refused_with_one_line(tmp_path, capsys) -> None:
     (tmp_path / "mistral").mkdir()
     (tmp_path / "mistral" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
     assert "model_type 'mistral'" in _refused(["--import-hf", str(tmp_path / "mistral"), "--save", "x"], capsys)
-    gelu_new = _hf_model("gpt2")
-    gelu_new.config.activation_function = "gelu_new"
-    gelu_new.save_pretrained(tmp_path / "gelu_new")
-    assert "gelu_new" in _refused(["--import-hf", str(tmp_path / "gelu_new"), "--save", "x"], capsys)
+    relu = _hf_model("gpt2")
+    relu.config.activation_function = "relu"
+    relu.save_pretrained(tmp_path / "relu")
+    assert "activation_function='relu'" in _refused(["--import-hf", str(tmp_path / "relu"), "--save", "x"], capsys)
     llama = _hf_model("llama")
     llama.save_pretrained(tmp_path / "llama")
     cfg = json.loads((tmp_path / "llama" / "config.json").read_text())
@@ -189,12 +210,51 @@ def test_unsupported_models_are_refused_with_one_line(tmp_path, capsys) -> None:
     cfg.pop("rope_parameters", None)
     (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
     assert "rotary scaling" in _refused(["--import-hf", str(tmp_path / "llama"), "--save", "x"], capsys)
+    cfg["rope_scaling"] = None
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5}
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
+    assert "partial_rotary_factor=0.5" in _refused(["--import-hf", str(tmp_path / "llama"), "--save", "x"], capsys)
     llama.config.num_key_value_heads = 4  # config.json no longer fits the k/v weights
     llama.config.save_pretrained(tmp_path / "llama")
     assert "do not match config.json" in _refused(["--import-hf", str(tmp_path / "llama"), "--save", "x"], capsys)
-    # our side: a model neither layout expresses
-    config = tiny_config(position_embedding_type="rope", normalization="LayerNorm")
-    full = {n: t[:VOCAB] if "word_embeddings" in n else t for n, t in build_gpt_model(config).state_dict().items()}
-    write_model_checkpoint(tmp_path / "ckpt", config, full)
-    err = _refused(["--load", str(tmp_path / "ckpt"), "--export-hf", str(tmp_path / "out")], capsys)
-    assert "LayerNorm with rotary positions" in err
+    # our side: a model neither layout expresses, named in one line (exit 2), nothing written
+    llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    refusals = {
+        "LayerNorm with rotary positions": dict(position_embedding_type="rope"),
+        "q/k layer norms (--qk-layernorm)": dict(llama, qk_layernorm=True),
+        "partial rotary embeddings (--rotary-percent 0.5)": dict(llama, rotary_percent=0.5),
+        "no position embeddings (--position-embedding-type none)": dict(position_embedding_type="none"),
+        "a squared-ReLU MLP with rotary positions": dict(llama, swiglu=False, squared_relu=True),
+    }
+    for i, (needle, kw) in enumerate(refusals.items()):
+        config = tiny_config(**kw)
+        full = {n: t[:VOCAB] if "word_embeddings" in n else t for n, t in build_gpt_model(config).state_dict().items()}
+        write_model_checkpoint(tmp_path / f"ckpt{i}", config, full)
+        err = _refused(["--load", str(tmp_path / f"ckpt{i}"), "--export-hf", str(tmp_path / f"out{i}")], capsys)
+        assert needle in err and not (tmp_path / f"out{i}").exists(), err
+
+
+def test_a_config_field_no_layout_maps_is_refused_unless_at_its_default() -> None:
+    """The rule that keeps a future GPTConfig field from being exported silently wrong: every field a layout does
+    not map must hold its default.  A subclass with a new field stands in for a future GPTConfig."""
+    from megatron.hf import gpt2_layout, llama_layout
+    from megatron.hf.convert import TRAINING_FIELDS
+
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    for layout in (gpt2_layout, llama_layout):
+        assert layout.MAPPED_FIELDS <= fields  # no stale or misspelt names
+    assert set(TRAINING_FIELDS) <= fields
+    future = dataclasses.make_dataclass(
+        "FutureGPTConfig", [("sliding_window", int, dataclasses.field(default=0))], bases=(GPTConfig,), frozen=True
+    )
+    gpt2 = {**TINY, "num_query_groups": 4}
+    for kw in (gpt2, dict(TINY, position_embedding_type="rope", normalization="RMSNorm", swiglu=True)):
+        assert layout_for(future(**kw)) is not None  # at its default: exported
+        with pytest.raises(ConfigError, match="--sliding-window=64, which the (gpt2|llama) layout does not map"):
+            layout_for(future(**kw, sliding_window=64))
+    # current fields caught by the same rule, in their own words (no layout's unsupported() names them)
+    with pytest.raises(ConfigError, match=r"q/k layer norms \(--qk-layernorm\)"):
+        layout_for(tiny_config(**gpt2, qk_layernorm=True))  # GPT-2 layout
+    # a training setting and the folded 1p are not features: exported
+    settings = dict(gpt2, hidden_dropout=0.3, fp32_residual_connection=True, apply_layernorm_1p=True)
+    assert layout_for(tiny_config(**settings))

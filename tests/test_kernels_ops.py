@@ -113,22 +113,25 @@ def test_norm_forward_and_backward(dtype: torch.dtype, kind: str, shape: tuple[i
 
 # -- bias + GeLU, bias + SwiGLU ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("act", ["gelu", "swiglu"])
+@pytest.mark.parametrize("act", ["gelu", "gelu_tanh", "swiglu"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_bias_activation_forward_and_backward(dtype: torch.dtype, act: str, bias: bool) -> None:
     from megatron.kernels.activations import (
         bias_gelu_reference,
         bias_swiglu_reference,
         triton_bias_gelu,
+        triton_bias_gelu_tanh,
         triton_bias_swiglu,
     )
 
     width = 2 * 40 if act == "swiglu" else 40  # f = 40: not a power of two, masked columns
     y = _randn(8, 4, width, dtype=dtype, scale=2.0)
     b = _randn(width, dtype=dtype, seed=1) if bias else None
-    kernel, reference = (
-        (triton_bias_swiglu, bias_swiglu_reference) if act == "swiglu" else (triton_bias_gelu, bias_gelu_reference)
-    )
+    kernel, reference = {
+        "gelu": (triton_bias_gelu, bias_gelu_reference),
+        "gelu_tanh": (triton_bias_gelu_tanh, lambda y, b: bias_gelu_reference(y, b, approximate="tanh")),
+        "swiglu": (triton_bias_swiglu, bias_swiglu_reference),
+    }[act]
     leaves = [_leaf(t) for t in (y, b) if t is not None]
     out = kernel(leaves[0], leaves[1] if bias else None)
     assert out.shape == (8, 4, 40) and out.dtype == dtype

@@ -98,9 +98,9 @@ def test_norm_weight_grads_in_b_or_deferred_to_w(kind: str) -> None:
         assert p.grad is None and torch.equal(p.main_grad, immediate[n]), n
 
 
-@pytest.mark.parametrize("swiglu", [False, True])
-def test_fused_bias_activation_defers_the_bias_grad(swiglu: bool) -> None:
-    cfg = GPTConfig(**{**TINY, "swiglu": swiglu})
+@pytest.mark.parametrize("activation", ["gelu", "openai_gelu", "swiglu"])
+def test_fused_bias_activation_defers_the_bias_grad(activation: str) -> None:
+    cfg = GPTConfig(**TINY, **({} if activation == "gelu" else {activation: True}))
     mlps = [MLP(cfg, tp=TPContext()) for _ in range(2)]
     mlps[1].load_state_dict(mlps[0].state_dict())
     for p in mlps[0].parameters():
@@ -108,6 +108,8 @@ def test_fused_bias_activation_defers_the_bias_grad(swiglu: bool) -> None:
     mlps[1].load_state_dict(mlps[0].state_dict())
     apply_kernels(mlps[1], _triton(cfg))
     assert mlps[1].activation_kernel is not None and mlps[1].linear_fc1.wgrad_fn is not None
+    kernel = {"gelu": "triton_bias_gelu", "openai_gelu": "triton_bias_gelu_tanh", "swiglu": "triton_bias_swiglu"}
+    assert mlps[1].activation_kernel.__name__ == kernel[activation]
     x = torch.randn(16, 2, cfg.hidden_size)
     dy = torch.randn(16, 2, cfg.hidden_size)
     grads = []

@@ -19,7 +19,7 @@ from megatron.checkpointing import _check_compatible
 from megatron.config.errors import ConfigError
 from megatron.config.kernels import KernelConfig
 from megatron.model import build_gpt_model
-from megatron.model.config import GPTConfig
+from megatron.model.config import GPTConfig, model_flags
 from megatron.model.mlp import MLP
 from megatron.model.norms import LayerNorm, RMSNorm
 from megatron.parallel.tensor_parallel import TPContext
@@ -172,6 +172,23 @@ def test_squared_relu_activation() -> None:
         tiny_config(squared_relu=True, swiglu=True)
 
 
+def test_openai_gelu_is_the_tanh_approximation() -> None:
+    cfg = parse_run_config([*BASE, *MODEL, "--openai-gelu"]).model
+    assert cfg.openai_gelu and model_flags(cfg)[-1] == "--openai-gelu"
+    mlp = MLP(cfg, tp=TPContext())
+    _randomise(mlp, 7)
+    x = torch.randn(4, 2, cfg.hidden_size) * 2
+    fc1, fc2 = mlp.linear_fc1, mlp.linear_fc2
+    y = x @ fc1.weight.t() + fc1.bias
+    tanh_gelu = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))  # GPT-2's gelu_new
+    with torch.no_grad():
+        assert _close(mlp(x), tanh_gelu @ fc2.weight.t() + fc2.bias)
+        assert not _close(mlp(x), F.gelu(y) @ fc2.weight.t() + fc2.bias)  # the exact GeLU: another output
+    for other in ("swiglu", "squared_relu"):
+        with pytest.raises(ConfigError, match="--openai-gelu"):
+            tiny_config(openai_gelu=True, **{other: True})
+
+
 def test_fp32_residual_connection_keeps_the_stream_in_fp32() -> None:
     def stream_dtypes(cfg: GPTConfig, dtype: torch.dtype):
         model = build_gpt_model(cfg, seed=8).to(dtype)
@@ -273,9 +290,13 @@ def test_kernel_selection_respects_the_variants(monkeypatch) -> None:
     )
     assert not k.bias_gelu and not k.norms  # no fused squared ReLU; the Triton norms take one dtype
     assert "squared ReLU (no fused kernel)" in k.torch_notes
+    k = select.resolve_kernels(KernelConfig(kernels="triton"), tiny_config(openai_gelu=True), on_cuda=True)
+    assert k.bias_gelu and k.gelu_approximate == "tanh" and "bias-GeLU (tanh)" in k.describe()
     monkeypatch.setattr(select, "transformer_engine_problem", lambda: None)
     monkeypatch.setattr(select, "transformer_engine_version", lambda: "2.3")
     te = KernelConfig(kernels="torch", transformer_impl="transformer_engine")
     assert select.resolve_kernels(te, tiny_config(), on_cuda=True).transformer_impl == "transformer_engine"
     with pytest.raises(ConfigError, match="does not build --qk-layernorm, --squared-relu here"):
         select.resolve_kernels(te, tiny_config(qk_layernorm=True, squared_relu=True), on_cuda=True)
+    # TE's GeLU is the tanh approximation (transformer_engine/common/util/math.h): --openai-gelu is its own
+    assert select.resolve_kernels(te, tiny_config(openai_gelu=True), on_cuda=True).transformer_impl != "local"

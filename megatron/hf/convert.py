@@ -6,7 +6,14 @@ class where there is one.  The layout follows the model: learned absolute positi
 (``megatron.hf.gpt2_layout``, ``megatron.hf.llama_layout``).
 
 Export also keeps the training settings neither layout has (sequence length, vocabulary padding multiple, hidden
-dropout) under a ``zb_megatron`` key of ``config.json``, which import reads back.
+dropout, fp32 residual stream) under a ``zb_megatron`` key of ``config.json``, which import reads back.
+
+What is exported is checked field by field (``unexpressed``): every ``GPTConfig`` field that the chosen layout does
+not map (its ``MAPPED_FIELDS``) and that is not a training setting must hold its default, so a model feature added
+to ``GPTConfig`` later is refused until a layout learns it, never exported silently wrong.  ``--apply-layernorm-1p``
+is expressed by folding: the norms' stored ``gamma - 1`` become ``gamma`` (in the stored dtype, the sum the forward
+computes), so the exported model is a plain-norm one, and importing it gives a model without the flag whose logits
+are the same.
 
 Import reads ``config.json`` (``model_type`` "gpt2" or "llama") and ``model.safetensors`` (or a sharded
 ``model.safetensors.index.json``), maps the weights and writes a checkpoint at iteration 0 with no optimizer state
@@ -36,7 +43,13 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 # our training settings that neither layout's config has, kept in config.json (transformers ignores the key) so that
 # export -> import gives back the same model config
 TRAINING_KEY = "zb_megatron"
-TRAINING_FIELDS = ("seq_length", "make_vocab_size_divisible_by", "hidden_dropout")
+TRAINING_FIELDS = ("seq_length", "make_vocab_size_divisible_by", "hidden_dropout", "fp32_residual_connection")
+# features no layout has, by field, in the words of the refusal (a field not named here is named by its flag)
+UNEXPRESSED: dict[str, str] = {
+    "qk_layernorm": "q/k layer norms (--qk-layernorm), which neither GPT-2 nor Llama in transformers has",
+    "rotary_percent": "partial rotary embeddings (--rotary-percent {value}); transformers' Llama rotates every "
+    "channel of a head",
+}
 # buffers some Hugging Face checkpoints carry besides the weights (GPT-2's causal masks, Llama's rotary table)
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -44,15 +57,46 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 # --------------------------------------------------------------------------------------------------------- export
 def layout_for(config: GPTConfig) -> ModuleType:
-    """The Hugging Face layout of ``config``; ``ConfigError`` naming the feature when neither layout has it."""
+    """The Hugging Face layout of ``config``; ``ConfigError`` naming the feature when neither layout has it.
+    ``--apply-layernorm-1p`` is not a problem: export folds it (``fold_layernorm_1p``)."""
+    if config.position_embedding_type == "none":
+        raise ConfigError(
+            "cannot export to Hugging Face: the model has no position embeddings (--position-embedding-type none); "
+            "the GPT-2 layout needs learned absolute positions, the Llama layout rotary ones"
+        )
     layout = gpt2_layout if config.position_embedding_type == "learned_absolute" else llama_layout
-    problem = layout.unsupported(config)
+    problem = layout.unsupported(config) or unexpressed(config, layout)
     if problem is not None:
         raise ConfigError(
             f"cannot export to Hugging Face: the model has {problem}; the GPT-2 layout needs "
             f"{gpt2_layout.FEATURES}, the Llama layout {llama_layout.FEATURES}"
         )
     return layout
+
+
+def unexpressed(config: GPTConfig, layout: ModuleType) -> str | None:
+    """The first field of ``config`` away from its default that ``layout`` does not map and that is not a training
+    setting (in ``UNEXPRESSED``'s words, else as its flag), or None.  Works on any ``GPTConfig`` subclass, so a field
+    added later is covered without a change here."""
+    handled = set(layout.MAPPED_FIELDS) | set(TRAINING_FIELDS) | {"apply_layernorm_1p"}  # 1p: folded on export
+    for f in dataclasses.fields(config):
+        if f.name in handled:
+            continue
+        value = getattr(config, f.name)
+        if f.default is not dataclasses.MISSING and value == f.default:
+            continue
+        words = UNEXPRESSED.get(f.name, "--{flag}={value}, which the {layout} layout does not map")
+        return words.format(value=value, flag=f.name.replace("_", "-"), layout=layout.MODEL_TYPE)
+    return None
+
+
+def fold_layernorm_1p(state: dict[str, torch.Tensor], config: GPTConfig) -> tuple[dict[str, torch.Tensor], GPTConfig]:
+    """``--apply-layernorm-1p`` weights (``gamma - 1``) as plain ones (``gamma``), and the config without the flag;
+    unchanged without it.  The sum is taken in the stored dtype, as the norms' forward takes it."""
+    if not config.apply_layernorm_1p:
+        return state, config
+    folded = {n: t + 1 if n.endswith("layernorm.weight") else t for n, t in state.items()}
+    return folded, dataclasses.replace(config, apply_layernorm_1p=False)
 
 
 def export_hf(load: str | Path, out: str | Path, *, iteration: int | None = None) -> dict[str, torch.Tensor]:
@@ -63,6 +107,7 @@ def export_hf(load: str | Path, out: str | Path, *, iteration: int | None = None
     config = GPTConfig.from_object(common["model_args"])
     layout = layout_for(config)
     full, _, _, _ = read_full_state(directory, manifest, common, optimizer=False)
+    full, config = fold_layernorm_1p(full, config)
     tensors = layout.to_hf(full, config)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,10 @@
     final_layernorm.*                           transformer.ln_f.*
     output_layer.weight (untied only)           lm_head.weight
 
-Hugging Face's default GPT-2 activation is ``gelu_new`` (the tanh approximation); ours is the exact GeLU, written
-as ``activation_function: "gelu"``.  A model with the tanh approximation is refused on import.
+The MLP activation is ``activation_function``: the exact GeLU is ``"gelu"``, ``--openai-gelu`` (the tanh
+approximation, Hugging Face's GPT-2 default and the one the released GPT-2 checkpoints use) is ``"gelu_new"``
+(``"gelu_pytorch_tanh"`` is read as the same), ``--squared-relu`` is ``"relu2"``.  Any other activation is refused
+on import.
 """
 
 from __future__ import annotations
@@ -23,12 +25,21 @@ from typing import Any
 import torch
 
 from megatron.config.errors import ConfigError
-from megatron.hf.layout_common import fuse_qkv, hf_int, require_value, split_qkv
+from megatron.hf.layout_common import COMMON_FIELDS, fuse_qkv, hf_int, require_value, split_qkv
 from megatron.model.config import GPTConfig
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
-FEATURES = "learned absolute positions, LayerNorm, GeLU, biases, one key/value head per query head"
+FEATURES = "learned absolute positions, LayerNorm, GeLU (or squared ReLU), biases, one key/value head per query head"
+# the GPTConfig fields this layout expresses; rotary_base and rotary_percent do nothing with learned positions
+MAPPED_FIELDS = COMMON_FIELDS | {"openai_gelu", "squared_relu", "rotary_base", "rotary_percent"}
+# activation_function -> (openai_gelu, squared_relu); the first entry of each pair is what export writes
+ACTIVATIONS = {
+    "gelu": (False, False),
+    "gelu_new": (True, False),
+    "gelu_pytorch_tanh": (True, False),
+    "relu2": (False, True),
+}
 
 _LAYER_PAIRS = (  # (ours, theirs, transposed)
     ("input_layernorm.weight", "ln_1.weight", False),
@@ -80,7 +91,7 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
         "n_layer": config.num_layers,
         "n_head": config.num_attention_heads,
         "n_inner": config.ffn_hidden_size,
-        "activation_function": "gelu",
+        "activation_function": _activation(config),
         "resid_pdrop": config.hidden_dropout,
         "embd_pdrop": config.hidden_dropout,
         "attn_pdrop": config.attention_dropout,
@@ -91,6 +102,10 @@ def hf_config(config: GPTConfig) -> dict[str, Any]:
         "reorder_and_upcast_attn": False,
         "tie_word_embeddings": config.tied_embeddings,
     }
+
+
+def _activation(config: GPTConfig) -> str:
+    return next(name for name, flags in ACTIVATIONS.items() if flags == (config.openai_gelu, config.squared_relu))
 
 
 def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
@@ -109,7 +124,9 @@ def to_hf(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.
 
 def gpt_config(hf: dict[str, Any], *, seq_length: int | None) -> GPTConfig:
     """Our model config for a Hugging Face GPT-2 ``config.json``; a feature we lack -> ``ConfigError``."""
-    require_value(hf, "activation_function", "gelu", "a GeLU other than the exact one", default="gelu_new")
+    activation = hf.get("activation_function", "gelu_new")
+    require_value(hf, "activation_function", tuple(ACTIVATIONS), "an MLP activation we lack", default="gelu_new")
+    openai_gelu, squared_relu = ACTIVATIONS[activation]
     require_value(hf, "scale_attn_weights", True, "unscaled attention scores", default=True)
     require_value(hf, "scale_attn_by_inverse_layer_idx", False, "attention scaled by layer index", default=False)
     require_value(hf, "add_cross_attention", False, "cross-attention", default=False)
@@ -127,6 +144,8 @@ def gpt_config(hf: dict[str, Any], *, seq_length: int | None) -> GPTConfig:
         normalization="LayerNorm",
         norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
         swiglu=False,
+        openai_gelu=openai_gelu,
+        squared_relu=squared_relu,
         add_bias_linear=True,
         attention_dropout=float(hf.get("attn_pdrop", 0.1)),
         hidden_dropout=float(hf.get("resid_pdrop", 0.1)),

@@ -16,6 +16,28 @@ import torch
 from megatron.config.errors import ConfigError
 from megatron.model.config import GPTConfig
 
+# GPTConfig fields both layouts map (sizes, norm epsilon, biases, dropout, init, tying) or check in ``unsupported``
+COMMON_FIELDS = frozenset(
+    {
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "vocab_size",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "kv_channels",
+        "max_position_embeddings",
+        "position_embedding_type",
+        "normalization",
+        "norm_epsilon",
+        "swiglu",
+        "add_bias_linear",
+        "attention_dropout",
+        "init_method_std",
+        "untie_embeddings_and_output_weights",
+    }
+)
+
 
 def split_qkv(fused: torch.Tensor, config: GPTConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our fused QKV weight ``[(nq + 2g) d, h]`` (or bias) -> q ``[nq d, ...]``, k and v ``[g d, ...]``."""

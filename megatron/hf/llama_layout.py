@@ -22,12 +22,15 @@ from typing import Any
 import torch
 
 from megatron.config.errors import ConfigError
-from megatron.hf.layout_common import fuse_qkv, hf_int, require_value, split_qkv
+from megatron.hf.layout_common import COMMON_FIELDS, fuse_qkv, hf_int, require_value, split_qkv
 from megatron.model.config import GPTConfig
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
-FEATURES = "rotary positions, RMSNorm, SwiGLU"
+FEATURES = "rotary positions (every channel), RMSNorm, SwiGLU"
+# the GPTConfig fields this layout expresses (rotary_percent < 1 and q/k norms it does not: transformers' Llama has
+# neither)
+MAPPED_FIELDS = COMMON_FIELDS | {"rotary_base"}
 
 
 def _layer_pairs(bias: bool) -> list[tuple[str, str]]:
@@ -46,7 +49,8 @@ def unsupported(config: GPTConfig) -> str | None:
     if config.normalization != "RMSNorm":
         return f"{config.normalization} with rotary positions"
     if not config.swiglu:
-        return "a GeLU MLP with rotary positions"
+        kind = "squared-ReLU" if config.squared_relu else "tanh-GeLU" if config.openai_gelu else "GeLU"
+        return f"a {kind} MLP with rotary positions"
     return None
 
 
@@ -101,6 +105,13 @@ def _rope_theta(hf: dict[str, Any]) -> float:
         kind = source.get("rope_type", source.get("type", "default"))
         if kind != "default":
             raise ConfigError(f"the model has rotary scaling (rope_type={kind!r}), which our GPT model does not have")
+    partial = float(params.get("partial_rotary_factor", scaling.get("partial_rotary_factor", 1.0)))
+    partial = float(hf.get("partial_rotary_factor", partial))
+    if partial != 1.0:  # transformers' Llama (5.24) ignores it and rotates every channel: an ambiguous model
+        raise ConfigError(
+            f"the model has partial rotary embeddings (partial_rotary_factor={partial}), which "
+            "transformers' Llama does not apply"
+        )
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 

@@ -8,7 +8,8 @@ does not support) is a ``ConfigError`` -- one line, exit 2 -- before any process
 - the linears' ``wgrad_fn``: ``weight_grad.accumulate_weight_grad`` (off: ``--no-gradient-accumulation-fusion``);
 - the norms' ``kernel``: ``norms.triton_layer_norm`` / ``norms.triton_rms_norm``;
 - ``MLP.activation_kernel``: ``activations.triton_bias_gelu`` / ``triton_bias_swiglu`` (off:
-  ``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``);
+  ``--no-bias-gelu-fusion`` / ``--no-bias-swiglu-fusion``); with ``--openai-gelu`` the GeLU kernel computes the
+  tanh approximation (``triton_bias_gelu_tanh``); ``--squared-relu`` has no fused kernel and stays on torch;
 - ``GPTStage.cross_entropy_kernel``: ``cross_entropy.fused_vocab_parallel_cross_entropy`` (on:
   ``--cross-entropy-loss-fusion``).
 
@@ -59,6 +60,7 @@ class KernelSelection:
     norms: bool = False
     norm_kind: str = "LayerNorm"  # the model's --normalization
     bias_gelu: bool = False
+    gelu_approximate: str = "none"  # the model's GeLU: "none" (erf) or "tanh" (--openai-gelu)
     bias_swiglu: bool = False
     cross_entropy: bool = False
     torch_notes: tuple[str, ...] = ()  # operations left on torch with the backend Triton, each with its reason
@@ -90,7 +92,7 @@ class KernelSelection:
                     f"{self.norm_kind} (weight grads in {'W' if NORM_WEIGHT_GRAD_IN_W[self.norm_kind] else 'B'})",
                     self.norms,
                 ),
-                ("bias-GeLU", self.bias_gelu),
+                ("bias-GeLU" + (" (tanh)" if self.gelu_approximate == "tanh" else ""), self.bias_gelu),
                 ("bias-SwiGLU", self.bias_swiglu),
                 ("cross-entropy (vocab-chunked)", self.cross_entropy),
             )
@@ -190,7 +192,7 @@ def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> 
         if explicit:
             raise ConfigError(f"--kernels triton: {problem}; use --kernels torch")
         notes.append(f"{model.normalization} (hidden size {model.hidden_size} > {MAX_NORM_HIDDEN})")
-    is_gelu = not model.swiglu and not model.squared_relu
+    is_gelu = not model.swiglu and not model.squared_relu  # erf or tanh (--openai-gelu): the kernel has both
     gelu = is_gelu and config.bias_gelu_fusion
     swiglu = model.swiglu and config.bias_swiglu_fusion
     if is_gelu and not config.bias_gelu_fusion:
@@ -211,6 +213,7 @@ def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> 
         norms=norms,
         norm_kind=model.normalization,
         bias_gelu=gelu,
+        gelu_approximate="tanh" if model.openai_gelu else "none",
         bias_swiglu=swiglu,
         cross_entropy=config.cross_entropy_loss_fusion,
         torch_notes=tuple(notes),
@@ -238,7 +241,7 @@ def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
                 module.wgrad_fn = apex_accumulate_weight_grad
     if selection.backend != "triton":
         return
-    from megatron.kernels.activations import triton_bias_gelu, triton_bias_swiglu
+    from megatron.kernels.activations import triton_bias_gelu, triton_bias_gelu_tanh, triton_bias_swiglu
     from megatron.kernels.cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.kernels.norms import triton_layer_norm, triton_rms_norm
     from megatron.kernels.weight_grad import accumulate_weight_grad
@@ -260,7 +263,8 @@ def apply_kernels(model: torch.nn.Module, selection: KernelSelection) -> None:
         if isinstance(module, MLP):
             if module.swiglu and selection.bias_swiglu:
                 module.activation_kernel = triton_bias_swiglu
-            elif not module.swiglu and not module.squared_relu and selection.bias_gelu:
-                module.activation_kernel = triton_bias_gelu
+            elif selection.bias_gelu and module.is_gelu:
+                tanh = module.gelu_approximate == "tanh"
+                module.activation_kernel = triton_bias_gelu_tanh if tanh else triton_bias_gelu
         if selection.cross_entropy and isinstance(module, GPTStage):
             module.cross_entropy_kernel = fused_vocab_parallel_cross_entropy

@@ -9,7 +9,8 @@ multi-head attention), ``kv_channels`` = hidden / heads, ``ffn_hidden_size`` = 4
 Variants with Megatron's meaning: ``position_embedding_type`` "none" (no position information; Megatron's
 ``--no-position-embedding`` without RoPE), ``rotary_percent`` (RoPE on the first fraction of each head's channels),
 ``qk_layernorm`` (a norm over each query and key head), ``apply_layernorm_1p`` (norm weights stored as ``gamma - 1``),
-``squared_relu`` (``relu(x)^2`` MLP activation), ``fp32_residual_connection`` (the residual stream in fp32 under
+``squared_relu`` (``relu(x)^2`` MLP activation), ``openai_gelu`` (the tanh approximation of GeLU, GPT-2's
+``gelu_new``), ``fp32_residual_connection`` (the residual stream in fp32 under
 bf16/fp16 parameters).
 
 ``vocab_size`` = 0 means "not known yet": a run with a tokenizer and no ``--vocab-size`` learns it from the tokenizer
@@ -69,6 +70,7 @@ class GPTConfig:
     qk_layernorm: bool = False
     apply_layernorm_1p: bool = False
     squared_relu: bool = False
+    openai_gelu: bool = False
     fp32_residual_connection: bool = False
 
     def __post_init__(self) -> None:
@@ -131,6 +133,10 @@ class GPTConfig:
         require(
             not (self.swiglu and self.squared_relu),
             "--swiglu and --squared-relu each choose the MLP activation; pass one of them",
+        )
+        require(
+            not (self.openai_gelu and (self.swiglu or self.squared_relu)),
+            "--openai-gelu chooses the GeLU's form, but --swiglu/--squared-relu replace the GeLU; drop one of them",
         )
         for name in ("attention_dropout", "hidden_dropout"):
             p = getattr(self, name)

@@ -1,5 +1,5 @@
-"""The feed-forward block: ``fc2(act(fc1(x)))`` with GeLU (or ``relu(x)^2``, ``--squared-relu``), or SwiGLU
-``fc2(silu(gate(x)) * up(x))``.
+"""The feed-forward block: ``fc2(act(fc1(x)))`` with GeLU (exact; the tanh approximation with ``--openai-gelu``; or
+``relu(x)^2``, ``--squared-relu``), or SwiGLU ``fc2(silu(gate(x)) * up(x))``.
 
 For SwiGLU, ``linear_fc1`` is one fused projection whose full output is ``[gate (ffn) ; up (ffn)]``; it is split
 with partition stride 2 so each tensor-parallel rank holds the matching rows of both halves.
@@ -24,6 +24,8 @@ class MLP(torch.nn.Module):
     def __init__(self, config: GPTConfig, *, tp: HasTensorParallel, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.is_gelu = not (config.swiglu or config.squared_relu)  # erf, or tanh with --openai-gelu
         ffn, bias = config.ffn_hidden_size, config.add_bias_linear
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -52,5 +54,5 @@ class MLP(torch.nn.Module):
         elif self.squared_relu:
             y = torch.pow(F.relu(y), 2)
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.linear_fc2(y)  # [s, b, h] ([s/tp, b, h] with sequence parallelism)
