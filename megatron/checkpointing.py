@@ -101,8 +101,14 @@ def set_rng_state(state: dict[str, Any], model: torch.nn.Module) -> None:
         tracker.set_states(state["tp_tracker"])
 
 
+def _layers_per_stage(tr: Trainer) -> list[int] | None:
+    """Transformer layers per virtual stage (--pipeline-layer-split / --decoder-first/last-pipeline-num-layers)."""
+    layout = tr.run.pipeline_layout
+    return None if layout is None else list(layout.layers_per_stage)
+
+
 def layout_of(tr: Trainer) -> dict[str, Any]:
-    ctx, layout = tr.ctx, tr.run.pipeline_layout
+    ctx = tr.ctx
     return {
         "tp": ctx.tp_size,
         "pp": ctx.pp_size,
@@ -110,8 +116,7 @@ def layout_of(tr: Trainer) -> dict[str, Any]:
         "world_size": ctx.world_size,
         "use_distributed_optimizer": bool(tr.run.optimizer.use_distributed_optimizer),
         "precision": tr.run.precision.name,
-        # transformer layers per virtual stage (--pipeline-layer-split / --decoder-first/last-pipeline-num-layers)
-        "layers_per_stage": None if layout is None else list(layout.layers_per_stage),
+        "layers_per_stage": _layers_per_stage(tr),
     }
 
 
@@ -230,7 +235,7 @@ def _check_compatible(tr: Trainer, common: dict[str, Any], directory: Path) -> N
             f"tp={tr.ctx.tp_size}, pp={tr.ctx.pp_size}; re-partition it with tools/checkpoint_convert.py "
             f"--target-tp {tr.ctx.tp_size} --target-pp {tr.ctx.pp_size}"
         )
-    ours_split = layout_of(tr)["layers_per_stage"]
+    ours_split = _layers_per_stage(tr)
     saved_split = lay.get("layers_per_stage", ours_split)  # older checkpoints: the even split, checked per tensor
     if saved_split != ours_split:
         raise ConfigError(

@@ -245,7 +245,9 @@ def test_attention_backend_is_accepted_and_changes_nothing(backend: str) -> None
 
 def test_checkpoint_of_an_older_model_config_still_loads() -> None:
     model = tiny_config()
-    tr = SimpleNamespace(run=SimpleNamespace(model=model), ctx=SimpleNamespace(tp_size=1, pp_size=1))
+    tr = SimpleNamespace(
+        run=SimpleNamespace(model=model, pipeline_layout=None), ctx=SimpleNamespace(tp_size=1, pp_size=1)
+    )
     old = {k: v for k, v in dataclasses.asdict(model).items() if k not in ("qk_layernorm", "rotary_percent")}
     _check_compatible(tr, {"layout": {"tp": 1, "pp": 1}, "model_args": old}, "ckpt")  # missing = the defaults
     new = dataclasses.replace(model, qk_layernorm=True)
