@@ -6,6 +6,7 @@ What is asserted: the emulated run executes every planned action, and bad ``--em
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -99,3 +100,71 @@ def test_emulated_p4_m16_runs_the_plan_and_reports_time(name: str) -> None:
         f"(simulated makespan {sim.makespan:.1f} ms, ratio {span / sim.makespan:.3f}); "
         f"iteration incl. OPT {iteration:.1f} ms"
     )
+
+
+# ---------------------------------------------------------------- --emulate-stage-scale (heterogeneous ranks)
+SCALE_ARGV = [
+    "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8",
+    "--vocab-size", "64", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+    "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1", "--distributed-timeout-seconds", "60",
+    "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1", "--emulate-compute", "2,2,1,1",
+    "--emulate-stage-scale", "1,2.5",
+]  # fmt: skip
+
+
+def _scaled_rank(rank: int, world_size: int, argv: list[str]) -> dict:
+    import io
+
+    from megatron import training
+    from megatron.arguments import parse_run_config
+
+    torch.set_num_threads(1)
+    real_setup, seen = training.setup, {}
+
+    def setup(run, ctx, **kwargs):
+        tr = real_setup(run, ctx, **kwargs)
+        seen["emulator"] = tr.pipeline.emulator
+        return tr
+
+    training.setup = setup
+    try:
+        out = io.StringIO()
+        training.pretrain(parse_run_config(argv, world_size=world_size), stream=out)
+    finally:
+        training.setup = real_setup
+    emu = seen["emulator"]
+    return {"charged": {k.value: v for k, v in emu.charged.items()}, "scale": emu.scale, "log": out.getvalue()}
+
+
+def test_stage_scale_multiplies_each_ranks_emulated_f_b_w() -> None:
+    """What each rank's emulator charged its actions (not how long they took): rank 1 ran the same actions as rank 0
+    (zb-h1, m = 4, two iterations) at 2.5x each."""
+    results = run_multiprocess(_scaled_rank, 2, args=(SCALE_ARGV,), timeout_s=180)
+    assert [r["scale"] for r in results] == [1.0, 2.5]
+    base, scaled = results[0]["charged"], results[1]["charged"]
+    m, iters = 4, 2
+    assert base == pytest.approx({"F": 2e-3 * m * iters, "B": 2e-3 * m * iters, "W": 1e-3 * m * iters, "BW": 0.0})
+    assert scaled == pytest.approx({k: 2.5 * v for k, v in base.items()})
+    assert "rank r's F,B,W times s_r = 1,2.5" in results[0]["log"]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1,2,3", "gives 3 factor(s) but the pipeline has 2 ranks"),
+        ("1,x", "every factor must be a number"),
+        ("1,0", "factor 0 must be a finite number > 0"),
+        ("1,inf", "factor inf must be a finite number > 0"),
+    ],
+)
+def test_a_bad_stage_scale_is_one_line(value: str, message: str) -> None:
+    from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
+
+    argv = [a if a != "1,2.5" else value for a in SCALE_ARGV]
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        parse_run_config(argv, world_size=2)
+    assert "\n" not in str(err.value)
+    without = [a for a in SCALE_ARGV if a not in ("--emulate-compute", "2,2,1,1")]
+    with pytest.raises(ConfigError, match="add --emulate-compute"):
+        parse_run_config(without, world_size=2)
