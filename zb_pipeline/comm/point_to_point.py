@@ -23,20 +23,21 @@ from typing import Any
 import torch
 
 from zb_pipeline.comm.backend import current
-from zb_pipeline.comm.placement import check_devices, placement
+from zb_pipeline.comm.placement import GroupPlacement, check_devices, placement
 
 __all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
 
 
-def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
-    """Start sending ``t`` to global rank ``peer``; returns the work."""
-    check_devices("isend", (t,), group)
+def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0, where: GroupPlacement | None = None) -> Any:
+    """Start sending ``t`` to global rank ``peer``; returns the work.  ``where``: ``group``'s placement if the caller
+    holds it (``comm.placement(group)``, resolved once), saving the per-call lookup."""
+    check_devices("isend", (t,), group, where)
     return current().isend(t, peer, group=group, tag=tag)
 
 
-def irecv(buf: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
-    """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
-    check_devices("irecv", (buf,), group)
+def irecv(buf: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0, where: GroupPlacement | None = None) -> Any:
+    """Start receiving into ``buf`` from global rank ``peer``; returns the work (``where``: as for ``isend``)."""
+    check_devices("irecv", (buf,), group, where)
     return current().irecv(buf, peer, group=group, tag=tag)
 
 
@@ -52,20 +53,30 @@ def recv(buf: torch.Tensor, peer: int, *, group: Any = None) -> None:
     current().recv(buf, peer, group=group)
 
 
-def batch_isend_irecv(ops: Sequence[tuple[bool, torch.Tensor, int]], *, group: Any = None, tag: int = 0) -> list[Any]:
-    """Post ``(is_send, tensor, global peer)`` ops as one group (NCCL matches them as a unit); one work per op."""
+def batch_isend_irecv(
+    ops: Sequence[tuple[bool, torch.Tensor, int]],
+    *,
+    group: Any = None,
+    tag: int = 0,
+    where: GroupPlacement | None = None,
+) -> list[Any]:
+    """Post ``(is_send, tensor, global peer)`` ops as one group (NCCL matches them as a unit); one work per op
+    (``where``: as for ``isend``)."""
     if not ops:
         return []
-    check_devices("batch_isend_irecv", (t for _, t, _ in ops), group)
+    check_devices("batch_isend_irecv", (t for _, t, _ in ops), group, where)
     b = current()
     return list(
         b.batch_isend_irecv([b.P2POp(b.isend if s else b.irecv, t, peer, group=group, tag=tag) for s, t, peer in ops])
     )
 
 
-def wait(work: Any, *, group: Any = None, timeout: timedelta | None = None) -> None:
-    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only)."""
-    if timeout is None or placement(group).is_nccl:
+def wait(
+    work: Any, *, group: Any = None, timeout: timedelta | None = None, where: GroupPlacement | None = None
+) -> None:
+    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only; ``where``: as for
+    ``isend``)."""
+    if timeout is None or (where if where is not None else placement(group)).is_nccl:
         work.wait()
     else:
         work.wait(timeout)
