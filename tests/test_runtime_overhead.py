@@ -91,3 +91,39 @@ def test_the_p2p_layer_looks_its_group_up_once_and_waits_on_the_host_only_on_glo
         p2p.take(Kind.RECV_B, 0, 0, Action(0, Kind.B, 0))
         p2p.finish()
     assert fake.waits == [()]  # stream-side: no host timeout on the receive
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "zb-v", "interleaved-zb"])
+@pytest.mark.parametrize("first_ahead", [0, 5])
+def test_the_post_plan_built_once_posts_every_op_once_in_plan_order_and_never_late(name: str, first_ahead: int) -> None:
+    """``post_plan`` (what the executor posts on gloo, built once per plan) against the plan itself: every op of
+    every batch exactly once, sends at their own batch, each receive at its own batch or up to ``PREPOST_AHEAD``
+    compute actions earlier but never before ``first_ahead``, and the per-(peer, kind) order of the plan."""
+    from zb_pipeline.runtime.executor import PREPOST_AHEAD, post_plan
+    from zb_pipeline.schedule.lowering import lower
+    from zb_pipeline.schedule.registry import generate
+
+    lowered = lower(generate(name, 4, 8))
+    for rank, steps in enumerate(lowered.ranks):
+        plan = post_plan(steps, PREPOST_AHEAD, first_ahead)
+        assert len(plan) == len(steps)
+        home = {a: j for j, st in enumerate(steps) if isinstance(st, CommBatch) for a in st.actions}
+        computes_before = [sum(not isinstance(st, CommBatch) for st in steps[:j]) for j in range(len(steps))]
+        posted: list[Action] = []
+        for j, (rest, early) in enumerate(plan):
+            if not isinstance(steps[j], CommBatch):
+                assert (rest, early) == (None, None)
+                continue
+            for a in rest.actions if rest is not None else ():
+                assert home[a] == j
+                posted.append(a)
+            for a in early.actions if early is not None else ():
+                assert a.kind in (Kind.RECV_F, Kind.RECV_B) and j < home[a] and j >= first_ahead
+                assert computes_before[home[a]] - computes_before[j] <= PREPOST_AHEAD
+                posted.append(a)
+        assert sorted(map(str, posted)) == sorted(map(str, home)) and len(set(posted)) == len(posted)
+        planned = [a for st in steps if isinstance(st, CommBatch) for a in st.actions]
+        for peer in {a.peer for a in planned}:
+            for kind in {a.kind for a in planned}:
+                want = [a for a in planned if a.peer == peer and a.kind == kind]
+                assert [a for a in posted if a.peer == peer and a.kind == kind] == want, (rank, peer, kind)
