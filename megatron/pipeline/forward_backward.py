@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -121,7 +121,8 @@ class GPTPipeline:
     loss: MaskedMeanLoss
     tracer: Tracer | None = None
     emulator: EmulatedCompute | None = None
-    _tied_work: Any = None  # the tied copy's all-reduce of this iteration, started by its stage's last W
+    # the tied copy's all-reduce of this iteration, started by its stage's last W (``_start_tied_sum``)
+    _tied_work: Any = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._tied = self._tied_copies()
