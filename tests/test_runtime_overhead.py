@@ -127,3 +127,19 @@ def test_the_post_plan_built_once_posts_every_op_once_in_plan_order_and_never_la
             for kind in {a.kind for a in planned}:
                 want = [a for a in planned if a.peer == peer and a.kind == kind]
                 assert [a for a in posted if a.peer == peer and a.kind == kind] == want, (rank, peer, kind)
+
+
+def test_split_cost_ratio_is_b_plus_w_over_the_fused_bw_per_stage() -> None:
+    from zb_pipeline.schedule.profile import Profile, split_cost_ratio
+
+    def prof(name: str, b, w, bw) -> Profile:
+        n = len(bw)
+        zeros = (0.0,) * n
+        return Profile(2, (0, 1), (1.0,) * n, b, w, bw, 0.1, zeros, zeros, zeros, schedule=name)
+
+    split = prof("zb-h1", (2.0, 3.0), (1.0, 1.5), (None, None))
+    fused = prof("1f1b", (None, None), (None, None), (3.0, 4.0))
+    assert split_cost_ratio(split, fused) == (1.0, 1.125)
+    assert split_cost_ratio(fused, fused) == (None, None)
+    with pytest.raises(ValueError, match="different layouts"):
+        split_cost_ratio(split, prof("zb-v", (1.0,) * 4, (1.0,) * 4, (None,) * 4))
