@@ -46,14 +46,36 @@ class ExitSignalHandler:
         and the next one started; ``wait=True``: that answer or the flags of every rank now."""
         if not distributed:
             return self.received
-        earlier = False
-        if self._work is not None:
-            comm.wait(self._work, timeout=timeout)
-            earlier = bool(self._flag.item())
-            self._flag = self._work = None
+        earlier = self._read_started(timeout)
         if wait:
             (anyone,) = comm.all_reduce_values([1 if self.received else 0], op="max", dtype=torch.int32)
             return earlier or bool(anyone)
-        self._flag = torch.full((1,), int(self.received), dtype=torch.int32, device=comm.device_of(None))
-        self._work = comm.all_reduce(self._flag, op="max", async_op=True)
+        self._start()
         return earlier
+
+    def _start(self) -> None:
+        """Start the all-reduce of this rank's flag.  On a GPU group (NCCL) the result is copied to pinned host
+        memory behind the reduction on the compute stream right away (``comm.wait`` only makes the stream wait),
+        so reading it at the next call waits for that copy's event, never for the device's later work."""
+        where = comm.placement(None)
+        self._flag = torch.full((1,), int(self.received), dtype=torch.int32, device=where.device)
+        self._work = comm.all_reduce(self._flag, op="max", async_op=True)
+        if where.device.type == "cuda":
+            comm.wait(self._work, where=where)  # stream-side on NCCL: the host does not block
+            host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            host.copy_(self._flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._flag, self._work = host, event  # read after ``event.synchronize()``
+
+    def _read_started(self, timeout: timedelta | None) -> bool:
+        """The answer of the reduction ``_start`` began (False if none)."""
+        work, flag = self._work, self._flag
+        if work is None:
+            return False
+        self._flag = self._work = None
+        if isinstance(work, torch.cuda.Event):
+            work.synchronize()
+        else:
+            comm.wait(work, timeout=timeout)
+        return bool(flag.item())
