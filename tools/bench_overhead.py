@@ -144,7 +144,8 @@ def gaps(actions: list[tuple[float, float]], spans: list[tuple[float, float]], w
     return out
 
 
-def _rank(rank: int, world: int, name: str, m: int, compute: str, iterations: int, costs: str, prof: str | None):
+def _rank(rank: int, world: int, name: str, m: int, compute: str, iterations: int, costs: str, *profiling: Any):
+    prof, prof_rank = profiling  # cProfile output path (or None) and the rank it profiles
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -168,7 +169,7 @@ def _rank(rank: int, world: int, name: str, m: int, compute: str, iterations: in
             EmulatedCompute(EmulatedCosts.parse(costs), chunks=sched.chunks, boundary_specs=specs).attach(ex)
         actions: list[tuple[float, float]] = []
         _record_actions(ex, actions)
-        profiler = cProfile.Profile() if prof and rank == 0 else None
+        profiler = cProfile.Profile() if prof and rank == prof_rank else None
         per_iter = []
         warmup = 2
         for it in range(iterations + warmup):
@@ -211,8 +212,11 @@ def summarise(samples: Sequence[tuple[float, float]]) -> dict[str, float]:
     }
 
 
-def run_case(name: str, pp: int, m: int, compute: str, iterations: int, costs: str, prof: str | None) -> list[dict]:
-    results = run_multiprocess(_rank, pp, args=(name, m, compute, iterations, costs, prof), timeout_s=600)
+def run_case(
+    name: str, pp: int, m: int, compute: str, iterations: int, costs: str, prof: str | None, prof_rank: int = 0
+) -> list[dict]:
+    """One launch of ``pp`` ranks; per rank the ``summarise``d gaps (``prof``: cProfile ``prof_rank`` into it)."""
+    results = run_multiprocess(_rank, pp, args=(name, m, compute, iterations, costs, prof, prof_rank), timeout_s=600)
     return [summarise(r["gaps"]) for r in results]
 
 
@@ -255,7 +259,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--m-per-rank", type=int, default=2, help="m = this x p (default 2)")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--emulate-compute", default="4,4,2", help="F,B,W ms (emulated compute)")
-    ap.add_argument("--profile-out", default=None, help="cProfile rank 0 of one long emulated zb-h2 run (pp 4) here")
+    ap.add_argument("--profile-out", default=None, help="cProfile one rank of one long emulated zb-h2 run (pp 4) here")
+    ap.add_argument("--profile-rank", type=int, default=0, choices=range(4), help="the rank --profile-out profiles")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory for overhead.md/.json")
     ap.add_argument("--quick", action="store_true", help="pp 2 only, two schedules, 2 iterations")
     args = ap.parse_args(argv)
@@ -296,8 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         *_table(rows),
     ]
     if args.profile_out:
-        run_case("zb-h2", 4, 32, "emulated", 30, args.emulate_compute, args.profile_out)
-        lines += ["", f"## cProfile of rank 0 (zb-h2, p = 4, m = 32, 30 iterations, emulated): {args.profile_out}", ""]
+        run_case("zb-h2", 4, 32, "emulated", 30, args.emulate_compute, args.profile_out, args.profile_rank)
+        where = f"rank {args.profile_rank} (zb-h2, p = 4, m = 32, 30 iterations, emulated)"
+        lines += ["", f"## cProfile of {where}: {args.profile_out}", ""]
         lines += _profile_summary(args.profile_out)
     os.makedirs(args.out, exist_ok=True)
     md = os.path.join(args.out, "overhead.md")
