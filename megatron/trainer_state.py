@@ -40,6 +40,8 @@ class Trainer:
     skipped_iterations: int = 0
     nan_iterations: int = 0
     losses: list[float] = field(default_factory=list)
+    # training_step.StepResult of the iterations whose loss is not read back yet (training_step.settle_losses)
+    pending_results: list[Any] = field(default_factory=list)
     pipeline: Any = None  # megatron.pipeline.GPTPipeline when pp > 1 (then ``model`` is this rank's stages)
     replanner: Any = None  # the plan re-planned from profiled costs (megatron.pipeline.trainer_hooks.attach_replanner)
     # --enable-optimizer-post-validation with pp > 1 (megatron.pipeline.post_validated_step.PostValidatedStep)

@@ -49,7 +49,7 @@ from megatron.trainer_state import Trainer
 from megatron.training_log import IterationStats, TrainingLogger, model_flops_per_iteration
 from megatron.training_metrics import memory_stats
 from megatron.training_setup import setup
-from megatron.training_step import StepResult, settle_pending_step, train_step
+from megatron.training_step import StepResult, settle_losses, settle_pending_step, train_step
 from zb_pipeline import comm
 from zb_pipeline.runtime.host_allocator import keep_freed_host_memory
 
@@ -194,6 +194,7 @@ def _post_validation_summary(tr: Trainer) -> dict[str, str]:
 
 def _save(tr: Trainer, logger: TrainingLogger) -> None:
     settle_pending_step(tr)  # a checkpoint holds validated weights only
+    settle_losses(tr)  # and the nan count of every iteration it covers
     save_checkpoint(tr, log=logger.print)
 
 
@@ -213,29 +214,29 @@ def _count_skipped(steps: list[SettledStep]) -> int:
 
 @dataclass
 class _LogWindow:
-    """The iterations since the last log line."""
+    """The iterations since the last log line (their losses are read back when the line is written)."""
 
-    loss: float = 0.0
-    iters: int = 0
+    results: list[StepResult] = field(default_factory=list)
     skipped: int = 0
-    nan: int = 0
     samples: int = 0
     start: float = field(default_factory=time.time)
 
     def add(self, res: StepResult, samples: int) -> None:
-        self.loss += res.loss if math.isfinite(res.loss) else 0.0
-        self.iters += 1
+        self.results.append(res)
         self.skipped += int(res.skipped)
-        self.nan += int(res.nan)
         self.samples += samples
 
     def stats(self, tr: Trainer, res: StepResult, grad_norm: float | None, flops: float) -> IterationStats:
+        """The log line's numbers (after ``settle_losses``, so reading the losses issues no collective)."""
         run = tr.run
-        elapsed = (time.time() - self.start) / self.iters
-        samples = self.samples / self.iters  # per iteration (ramp-up: the window's mean global batch)
+        iters = len(self.results)
+        loss = sum(r.loss for r in self.results if math.isfinite(r.loss))
+        nan = sum(r.nan for r in self.results)
+        elapsed = (time.time() - self.start) / iters
+        samples = self.samples / iters  # per iteration (ramp-up: the window's mean global batch)
         tokens = samples * run.model.seq_length
         flops = flops * samples / run.global_batch_size
-        good = self.iters - self.nan - (self.skipped if tr.optimizer.scaler.dynamic else 0)
+        good = iters - nan - (self.skipped if tr.optimizer.scaler.dynamic else 0)
         return IterationStats(
             iteration=tr.iteration,
             train_iters=tr.run.training.train_iters,
@@ -243,11 +244,11 @@ class _LogWindow:
             elapsed_s_per_iter=elapsed,
             learning_rate=res.learning_rate,
             global_batch_size=run.global_batch_size_at(tr.iteration - 1),
-            lm_loss=self.loss / good if good else float("nan"),
+            lm_loss=loss / good if good else float("nan"),
             grad_norm=grad_norm,
             loss_scale=res.loss_scale,
             skipped_iterations=self.skipped,
-            nan_iterations=self.nan,
+            nan_iterations=nan,
             tokens_per_s=tokens / elapsed,
             model_tflops=flops / elapsed / 1e12,
             world_size=tr.ctx.world_size,
@@ -300,6 +301,8 @@ def _train_loop(
     last_grad_norm: float | None = None
     saved_at = tr.iteration if ckpt.load else -1
     start_consumed = tr.consumed_train_samples
+    # the same answer on every rank (the loss's read-back is collective); without a scalar sink nothing is read
+    writes_scalars = bool(run.logging.tensorboard_dir or run.logging.wandb_project or logger.has_scalar_sink)
     while tr.iteration < t.train_iters:
         profile.before_iteration(tr.iteration)
         res = train_step(tr)
@@ -310,9 +313,11 @@ def _train_loop(
         if res.grad_stats is not None:
             last_grad_norm = res.grad_stats.norm
         it = tr.iteration
-        if it % run.logging.tensorboard_log_interval == 0:
+        if writes_scalars and it % run.logging.tensorboard_log_interval == 0:
+            settle_losses(tr)  # the scalars read the loss: reduced at these iterations on every rank
             logger.iteration_scalars(it, _scalars(tr, res))
         if it % run.logging.log_interval == 0 or it == t.train_iters:
+            settle_losses(tr)  # the window's losses, reduced over the pipeline and data parallel (deferred_loss)
             logger.iteration(window.stats(tr, res, last_grad_norm, flops_per_iter))
             window = _LogWindow()
         if tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
@@ -328,6 +333,7 @@ def _train_loop(
         if ckpt.save and tr.iteration > 0 and saved_at != tr.iteration:
             _save(tr, logger)
     settle_pending_step(tr)
+    settle_losses(tr)
     wall = time.time() - run_start
     if tr.valid_data is not None and t.eval_iters > 0 and (not validation or validation[-1][0] != tr.iteration):
         loss = _evaluate_collected(tr, collector)
@@ -360,7 +366,18 @@ def _save_or_exit(
     if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
         _save(tr, logger)
         saved_at = it
-    if isinstance(signals, ExitSignalHandler) and signals.should_exit(distributed=tr.ctx.is_distributed):
+    # The signal flag is reduced without a wait (answered one iteration later) except where the run synchronises
+    # anyway: a log line, an evaluation, a checkpoint, an exit, the last iteration.
+    wait = (
+        it % tr.run.logging.log_interval == 0
+        or it >= t.train_iters
+        or saved_at == it
+        or (t.exit_interval is not None and it % t.exit_interval == 0)
+        or (tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0)
+    )
+    if isinstance(signals, ExitSignalHandler) and signals.should_exit(
+        distributed=tr.ctx.is_distributed, wait=wait, timeout=tr.ctx.timeout
+    ):
         if saved_at != it:
             _save(tr, logger)
             saved_at = it

@@ -149,6 +149,11 @@ class TrainingLogger:
         if self.enabled:
             self.print(format_iteration_line(stats))
 
+    @property
+    def has_scalar_sink(self) -> bool:
+        """Whether a ``scalar_sink`` was passed (pass it on every rank: the loss it is sent is read collectively)."""
+        return self._sink is not None
+
     def iteration_scalars(self, iteration: int, scalars: dict[str, float]) -> None:
         """TensorBoard / W&B scalars of one iteration (the loop calls it every ``--tensorboard-log-interval``)."""
         if self.enabled:

@@ -14,7 +14,10 @@
     applied (as in Megatron)
 
 With pp > 1 the plan runs the microbatches instead (``megatron.pipeline.trainer_hooks.pipeline_forward_backward``);
-with post-validation the step's outcome settles one iteration later (``settle``).  ``forward_backward``,
+with post-validation the step's outcome settles one iteration later (``settle``).  The iteration's loss is reduced
+over the pipeline and data-parallel groups without a wait (``megatron.deferred_loss``): ``train_step`` returns it
+pending, and ``settle_losses`` reads every pending loss back at a log line, an evaluation, a checkpoint and the end
+of the run (with ``--check-for-nan-in-loss-and-grad`` at once, every iteration).  ``forward_backward``,
 ``optimizer_step`` and ``train_step`` are public so tests can compare gradients and parameters between layouts.
 """
 
@@ -27,7 +30,8 @@ import torch
 
 from megatron.config.errors import RunAbortedError
 from megatron.data.loader import train_microbatches
-from megatron.microbatches import mean_over_dp, microbatch_loss
+from megatron.deferred_loss import PendingLoss, resolve_losses
+from megatron.microbatches import microbatch_loss
 from megatron.optimizer import GradStats
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.post_validated_step import SettledStep
@@ -38,13 +42,23 @@ from megatron.training_metrics import num_zeros_in_grad
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
+    pending_loss: PendingLoss  # the global-batch mean loss, read back by ``loss`` (``settle_losses``)
     learning_rate: float
     grad_stats: GradStats | None  # of the step settled in this call (None: none settled, post-validation's 1st)
     skipped: bool  # a step settled in this call was skipped (post-validation: the previous iteration's step)
     loss_scale: float = 1.0
-    nan: bool = False  # counted as a nan iteration (non-finite loss, or inf/NaN gradients without fp16 scaling)
+    nan_grads: bool = False  # inf/NaN gradients without fp16 dynamic scaling (counted at once)
     num_zeros_in_grad: int | None = None  # --log-num-zeros-in-grad: zero gradient entries of this iteration
+
+    @property
+    def loss(self) -> float:
+        """The iteration's loss (a collective the first time: read it at the same iterations on every rank)."""
+        return self.pending_loss.value()
+
+    @property
+    def nan(self) -> bool:
+        """Counted as a nan iteration: a non-finite loss, or inf/NaN gradients without fp16 scaling."""
+        return self.nan_grads or not math.isfinite(self.loss)
 
 
 def forward_backward(tr: Trainer) -> float:
@@ -53,6 +67,11 @@ def forward_backward(tr: Trainer) -> float:
     Afterwards every ``main_grad`` holds the gradient of the mean loss over the whole global batch (reduced over
     data-parallel ranks, sequence-parallel parts summed over the tensor-parallel group).
     """
+    return forward_backward_pending(tr).value()
+
+
+def forward_backward_pending(tr: Trainer) -> PendingLoss:
+    """``forward_backward`` with the loss's reductions started, not waited for."""
     if tr.pipeline is not None:  # pp > 1: the plan runs the microbatches (megatron.pipeline.trainer_hooks)
         return pipeline_forward_backward(tr)
     run, ctx = tr.run, tr.ctx
@@ -70,7 +89,7 @@ def forward_backward(tr: Trainer) -> float:
     tr.reducer.finish()
     if run.parallel.sequence_parallel or run.model.qk_layernorm:  # grads that are partial sums over tp
         allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
-    return mean_over_dp(total, m, ctx)
+    return PendingLoss.of_context(total, m, ctx)
 
 
 def optimizer_step(tr: Trainer) -> list[SettledStep]:
@@ -121,11 +140,12 @@ def settle_pending_step(tr: Trainer) -> list[SettledStep]:
 
 
 def train_step(tr: Trainer) -> StepResult:
-    """One iteration: ``forward_backward`` then ``optimizer_step``; advances ``tr.iteration``."""
-    loss = forward_backward(tr)
+    """One iteration: ``forward_backward`` then ``optimizer_step``; advances ``tr.iteration``.  The loss stays
+    pending (``tr.pending_results``) until ``settle_losses``."""
+    pending = forward_backward_pending(tr)
     scale = tr.optimizer.loss_scale  # the scale this iteration's gradients carry (post-validation set it in the plan)
     precision = tr.run.precision
-    if precision.check_for_nan_in_loss_and_grad and not math.isfinite(loss):
+    if precision.check_for_nan_in_loss_and_grad and not math.isfinite(loss := pending.value()):
         raise RunAbortedError(
             f"the loss is {loss} at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
             "lower --lr, raise --clip-grad strictness or resume from an earlier checkpoint"
@@ -136,17 +156,20 @@ def train_step(tr: Trainer) -> StepResult:
     if tr.post_validation is not None:
         lr = tr.scheduler.current_lr  # the rate this iteration's step was taken with (after the settled ones)
     tr.iteration += 1
-    tr.losses.append(loss)
     skipped = any(st.skipped for st in settled)
-    nan = not math.isfinite(loss) or (skipped and not tr.optimizer.scaler.dynamic)
-    tr.nan_iterations += int(nan)
+    nan_grads = skipped and not tr.optimizer.scaler.dynamic
+    tr.nan_iterations += int(nan_grads)
     stats = settled[-1].stats if settled else None
-    return StepResult(
-        loss=loss,
-        learning_rate=lr,
-        grad_stats=stats,
-        skipped=skipped,
-        loss_scale=scale,
-        nan=nan,
-        num_zeros_in_grad=zeros,
-    )
+    res = StepResult(pending, lr, stats, skipped, loss_scale=scale, nan_grads=nan_grads, num_zeros_in_grad=zeros)
+    tr.pending_results.append(res)
+    return res
+
+
+def settle_losses(tr: Trainer) -> list[StepResult]:
+    """Read back every pending iteration loss (in order): ``tr.losses`` and the nan count follow.  Collective over
+    the pipeline and data-parallel groups: call it at the same iterations on every rank."""
+    done, tr.pending_results = tr.pending_results, []
+    for res, loss in zip(done, resolve_losses(r.pending_loss for r in done)):
+        tr.losses.append(loss)
+        tr.nan_iterations += int(not res.nan_grads and not math.isfinite(loss))
+    return done

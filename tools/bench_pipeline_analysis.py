@@ -16,7 +16,7 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound, theory_ceiling
 from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.plan_file import plan_from_dict
-from zb_pipeline.schedule.profile import Profile, costs_for, predict_makespan
+from zb_pipeline.schedule.profile import Profile, costs_for, predict_makespan, split_cost_ratio
 from zb_pipeline.schedule.simulate import simulate
 
 try:  # BENCH's peer benchmark: its bootstrap (the same computation as the fallback below)
@@ -75,7 +75,12 @@ def log_real_row(log: Callable[[str], None], m: int, r: dict) -> None:
             if "peak_bytes" in r
             else ""
         )
+        + (f"  (B+W)/BW {_ratios(r['split_ratio'])}" if r.get("split_ratio") else "")
     )
+
+
+def _ratios(values: list[float | None]) -> str:
+    return ", ".join("-" if v is None else f"{v:.3f}" for v in values)
 
 
 def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], None]) -> dict:
@@ -130,9 +135,14 @@ def aggregate_real(res: list[dict], model: Any, m: int, log: Callable[[str], Non
                        stated_bound=registry.get(name).stated_memory_bound(sched.num_ranks, m))  # fmt: skip
         rows.append(row)
     one = next(r for r in rows if r["schedule"] == "1f1b")
+    fused = Profile.from_dict(one["own_profile"]) if "own_profile" in one else None
     for r in rows:
         if "peak_bytes" in r:
             r["peak_vs_1f1b"] = max(r["peak_bytes"]) / max(one["peak_bytes"])
+        if fused is not None and "own_profile" in r:
+            own = Profile.from_dict(r["own_profile"])
+            if own.num_stages == fused.num_stages and any(v is not None for v in own.b):
+                r["split_ratio"] = list(split_cost_ratio(own, fused))  # in-pipeline (B + W) / 1F1B's BW
         log_real_row(log, m, r)
     ceiling = speedup_ceiling(profiles["loop/1"], rows, res[0]["plans"], m)
     own_cap = f", x{ceiling['own']['ceiling']:.3f} (the runs' own costs)" if ceiling["own"] else ""

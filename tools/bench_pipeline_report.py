@@ -163,6 +163,8 @@ def _real_intro_lines(real: dict[str, Any]) -> list[str]:
             if real.get("host_malloc", "keep") == "keep"
             else "glibc's default thresholds (`--host-malloc default`). "
         )
+        + "The last column divides each split-backward schedule's profiled B + W by 1F1B's profiled BW, per stage, "
+        "both measured inside their own timed runs: what the split costs in place (1.000: nothing). "
         + "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x."
         + _theory_sentence(real["by_m"]),
         "",
@@ -180,12 +182,15 @@ def _real_block_lines(m: str, block: dict[str, Any]) -> list[str]:
         *_ceiling_lines(block.get("ceiling")),
         "| schedule | tokens/s | ratio to 1F1B [95% CI] | measured span ms | predicted ms | pred. error "
         "| from the launch's first profile ms (error) | peak act. MiB per rank | predicted MiB | mem. error "
-        "| peak / 1F1B | peak in microbatches / stated bound | minor page faults per iteration, per rank |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak / 1F1B | peak in microbatches / stated bound | minor page faults per iteration, per rank "
+        "| in-pipeline (B + W) / 1F1B's BW per stage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in block["rows"]:
         pf = r.get("page_faults") or []
         faults = ", ".join("-" if v is None else f"{v:.0f}" for v in pf) or "-"
+        split = r.get("split_ratio")
+        faults += " | " + (", ".join("-" if v is None else f"{v:.3f}" for v in split) if split else "-")
         extra = f"| - | - | - | - | - | - | - | - | - | {faults} |"
         if "peak_bytes" in r:
             extra = (

@@ -56,6 +56,12 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=3600.0,
     ),
     Benchmark(
+        "overhead",
+        "tools/bench_overhead.py",
+        "the runtime's own gap between actions vs the backend's send/recv calls: pp = 2, 4, emulated and real",
+        timeout_s=1800.0,
+    ),
+    Benchmark(
         "post_validation",
         "tools/bench_post_validation.py",
         "optimizer post-validation vs the synchronised optimizer: zb-auto, p = 8, m = 24, emulated compute",

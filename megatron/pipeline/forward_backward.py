@@ -8,17 +8,22 @@ Build once per run, call once per iteration (``megatron.pipeline.trainer_hooks``
     ...
     total = pipe.forward_backward(batches)  # batches[k]: {"tokens", "labels", "loss_mask"} of microbatch k
                                             # (+ "position_ids", "document_ids": read by every stage)
+    total, work = pipe.start_forward_backward(batches)  # the same, the pipeline sum started, not waited for
 
 ``GPTPipeline`` is the GPT side of ``zb_pipeline.runtime.PipelineRuntime``: it builds the stage modules, gives the
 runtime a loss over each microbatch's batch, and passes the batches to ``runtime.run`` as an argument.  Each
 microbatch's loss is the masked mean of the per-token loss, and ``loss / m`` is backpropagated -- exactly what the
 pp = 1 loop in ``training_step.py`` does, so an untied model gets bit-identical gradients.  ``forward_backward``
 returns the float64 sum of the microbatch losses on *every* pipeline rank (one small all-reduce over the pipeline
-group), ready for the trainer's data-parallel mean.
+group), ready for the trainer's data-parallel mean; ``start_forward_backward`` only starts that all-reduce and
+returns its work, so no rank waits for the others at the end of the plan (``megatron.deferred_loss``).
 
 Tied embeddings work with every schedule: the first stage's word embedding and the last stage's output-layer copy
 get the sum of their gradients (one all-reduce over the embedding group when they live on different ranks, a local
-add when they share a rank as with V placement), so the two copies stay equal after every optimizer step.
+add when they share a rank as with V placement), so the two copies stay equal after every optimizer step.  The
+all-reduce starts asynchronously when this rank's copy is final -- after its stage's last W (the executor's
+``stage_grads_final`` hook) -- and is waited for after the plan, the only wait between the last compute action and
+the optimizer step that the tied copies add.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -119,6 +124,13 @@ class GPTPipeline:
     loss: MaskedMeanLoss
     tracer: Tracer | None = None
     emulator: EmulatedCompute | None = None
+    # the tied copy's all-reduce of this iteration, started by its stage's last W (``_start_tied_sum``)
+    _tied_work: Any = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._tied = self._tied_copies()
+        if len(self._tied) == 1:  # one copy here, the other on another rank: sum over the embedding group
+            self.runtime.hooks.stage_grads_final.append(self._start_tied_sum)
 
     @property
     def schedule(self) -> Schedule:
@@ -160,26 +172,40 @@ class GPTPipeline:
         ranks may pass anything of length ``m``); ``position_ids``/``document_ids``, when used, on every rank.
         Returns the float64 sum of the microbatch losses on every rank.
         """
+        total, work = self.start_forward_backward(batches, iteration=iteration)
+        if work is not None:
+            comm.wait(work, group=self.ctx.pp_group, timeout=self.ctx.timeout)
+        return total
+
+    def start_forward_backward(
+        self, batches: Sequence[Mapping[str, torch.Tensor]], *, iteration: int = 0
+    ) -> tuple[torch.Tensor, Any]:
+        """``forward_backward`` without its wait: ``(total, work)``, where ``total`` holds the sum over the pipeline
+        once ``work`` (the all-reduce's; ``None`` with one pipeline rank) has completed (``comm.wait``)."""
         self.loss.num_microbatches = len(batches)
+        self._tied_work = None
         losses = self.runtime.run(batches, iteration=iteration)
         if self.emulator is not None:
             self.emulator.optimizer_step()
         self.sum_tied_embedding_grads()
-        return self._sum_over_pipeline(losses if self.emulator is None else [])
+        return self._start_sum_over_pipeline(losses if self.emulator is None else [])
 
     @torch.no_grad()
     def forward_only(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
         """Evaluation: the float64 sum of the microbatch losses (on every pipeline rank), forward passes only."""
         self.loss.num_microbatches = len(batches)
-        return self._sum_over_pipeline(self.runtime.forward_only(batches))
+        total, work = self._start_sum_over_pipeline(self.runtime.forward_only(batches))
+        if work is not None:
+            comm.wait(work, group=self.ctx.pp_group, timeout=self.ctx.timeout)
+        return total
 
-    def _sum_over_pipeline(self, losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _start_sum_over_pipeline(self, losses: Sequence[torch.Tensor]) -> tuple[torch.Tensor, Any]:
         total = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for loss in losses:
             total += loss.double()
-        if self.ctx.pp_group is not None:
-            comm.all_reduce(total, group=self.ctx.pp_group)
-        return total
+        if self.ctx.pp_group is None:
+            return total, None
+        return total, comm.all_reduce(total, group=self.ctx.pp_group, async_op=True)
 
     def write_trace(self, path: str | None) -> None:
         """Gather every pipeline rank's trace on the pipeline's first rank, which writes ``path``."""
@@ -195,35 +221,55 @@ class GPTPipeline:
     # -- tied embeddings --------------------------------------------------------------------------------------
     def tied_embedding_params(self) -> list[torch.nn.Parameter]:
         """This rank's copies of the tied word embedding that are separate tensors (0, 1 or 2 of them)."""
+        return [p for _, p in self._tied_copies()]
+
+    def _tied_copies(self) -> list[tuple[int, torch.nn.Parameter]]:
+        """``(stage, parameter)`` of each separately held tied copy on this rank, in stage order."""
         out = []
-        for _, stage in sorted(self.stages.items()):
+        for s, stage in sorted(self.stages.items()):
             if stage.shares_embedding_in_stage:
                 continue  # one tensor serves both uses already
             if stage.embedding is not None and stage.config.tied_embeddings:
-                out.append(stage.embedding.word_embeddings.weight)
+                out.append((s, stage.embedding.word_embeddings.weight))
             if stage.output_layer is not None and getattr(stage.output_layer.weight, "shared_embedding", False):
-                out.append(stage.output_layer.weight)
+                out.append((s, stage.output_layer.weight))
         return out
+
+    def _tied_grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        g = _grad_of(p)
+        if g is None:
+            raise RuntimeError("a tied embedding copy has no gradient after the iteration")
+        return g
+
+    def _embedding_group(self) -> Any:
+        group = self.ctx.embedding_group
+        if group is None:
+            raise RuntimeError(
+                f"rank {self.ctx.rank} holds one tied-embedding copy but no embedding group; build the "
+                "ParallelContext with the schedule's chunks and placement"
+            )
+        return group
+
+    def _start_tied_sum(self, stage: int) -> None:
+        """``stage_grads_final`` hook: the copy's gradient is final; start its all-reduce (waited for after the
+        plan)."""
+        ((s, p),) = self._tied
+        if stage == s and self._tied_work is None:
+            self._tied_work = comm.all_reduce(self._tied_grad(p), group=self._embedding_group(), async_op=True)
 
     def sum_tied_embedding_grads(self) -> None:
         """Give both copies of a tied embedding the sum of their gradients (see the module docstring)."""
-        params = self.tied_embedding_params()
-        if not params:
+        tied = self._tied
+        if not tied:
             return
-        grads = [_grad_of(p) for p in params]
-        if any(g is None for g in grads):
-            raise RuntimeError("a tied embedding copy has no gradient after the iteration")
-        total = grads[0] if len(grads) == 1 else grads[0].add_(grads[1])
-        if len(grads) == 1:
-            group = self.ctx.embedding_group
-            if group is None:
-                raise RuntimeError(
-                    f"rank {self.ctx.rank} holds one tied-embedding copy but no embedding group; build the "
-                    "ParallelContext with the schedule's chunks and placement"
-                )
-            comm.all_reduce(total, group=group)
-        else:
-            grads[1].copy_(total)
+        if len(tied) == 2:  # both copies on this rank (V placement): a local add
+            first, second = (self._tied_grad(p) for _, p in tied)
+            second.copy_(first.add_(second))
+            return
+        work, self._tied_work = self._tied_work, None
+        if work is None:  # the hook did not see the stage's last W (a plan without one): sum now
+            work = comm.all_reduce(self._tied_grad(tied[0][1]), group=self._embedding_group(), async_op=True)
+        comm.wait(work, group=self.ctx.embedding_group, timeout=self.ctx.timeout)
 
 
 def _grad_of(p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -305,8 +351,9 @@ def build_gpt_pipeline(
             costs_ms = EmulatedCosts.parse(schedule_config.emulate_compute)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        scale = schedule_config.stage_scale(pp)[rank]
         emulator = runtime.attach(
-            EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs, device=ctx.device)
+            EmulatedCompute(costs_ms, chunks=schedule.chunks, boundary_specs=specs, device=ctx.device, scale=scale)
         )
     if tracer is not None:
         tracer.align(ctx.pp_group)

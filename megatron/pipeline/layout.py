@@ -64,6 +64,7 @@ def pipeline_layout(
 ) -> PipelineLayout:
     """Generate the plan and split the layers over its virtual stages; ``ConfigError`` if the shape does not fit
     (called while parsing the flags, so a bad shape exits 2 before any rank starts communicating)."""
+    config.stage_scale(pp)  # a wrong --emulate-stage-scale exits 2 here too
     plans = config.plan_source(pp=pp, num_layers=num_layers)
     schedule = config.build_schedule(pp=pp, num_microbatches=num_microbatches, num_layers=num_layers, source=plans)
     sizes = split_layers(

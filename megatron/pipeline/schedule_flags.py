@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.config.errors import ConfigError, require
+from zb_pipeline.runtime.emulate import parse_stage_scale
 from zb_pipeline.runtime.runtime import PlanSource
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.plan_file import load_plan
@@ -71,6 +72,7 @@ class ScheduleConfig:
     p2p_check: bool = False  # the P2P checking mode (tests on gloo)
     trace_path: str | None = None  # --pipeline-trace
     emulate_compute: str | None = None  # --emulate-compute F,B,W[,OPT]
+    emulate_stage_scale: str | None = None  # --emulate-stage-scale s0,s1,... (one factor per pipeline rank)
 
     def __post_init__(self) -> None:
         known = registry.available()
@@ -80,6 +82,20 @@ class ScheduleConfig:
             0 < self.adaptive_memory_percentile <= 100,
             f"--zero-bubble-adaptive-memory-limit-percentile={self.adaptive_memory_percentile} must be in (0, 100]",
         )
+        require(
+            self.emulate_stage_scale is None or self.emulate_compute is not None,
+            f"--emulate-stage-scale {self.emulate_stage_scale} scales emulated compute: add --emulate-compute F,B,W",
+        )
+
+    def stage_scale(self, pp: int) -> tuple[float, ...]:
+        """``--emulate-stage-scale`` as one factor per pipeline rank (all 1 without it); ``ConfigError`` naming the
+        fix for a wrong count or value."""
+        if self.emulate_stage_scale is None:
+            return (1.0,) * pp
+        try:
+            return parse_stage_scale(self.emulate_stage_scale, pp)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     # -- shape ----------------------------------------------------------------------------------------------
     def chunks(self, *, num_layers: int, pp: int) -> int:
@@ -201,6 +217,7 @@ class ScheduleConfig:
             p2p_check=bool(get("pipeline_p2p_check", False)),
             trace_path=v.get("pipeline_trace"),
             emulate_compute=v.get("emulate_compute"),
+            emulate_stage_scale=v.get("emulate_stage_scale"),
         )
 
 
@@ -240,6 +257,7 @@ _OTHER_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ),
     ("--pipeline-trace", dict(default=None, help="write a Chrome/Perfetto trace of what every rank executed")),
     ("--emulate-compute", dict(default=None, help="F,B,W[,OPT] ms: sleep instead of computing (real P2P)")),
+    ("--emulate-stage-scale", dict(default=None, help="s0,s1,...: pipeline rank r's emulated F,B,W times s_r")),
     ("--pipeline-p2p-check", dict(action="store_true", help="check the strict P2P order at run time (gloo tests)")),
 )
 

@@ -6,7 +6,7 @@ The pp = 1 path of the trainer is untouched; with pp > 1 it calls, in this order
     pipe = build_trainer_pipeline(run, ctx, model_config)     # plan generated, validated, lowered; stages built
     ... model = pipe.model; optimizer/reducer built over it as for pp = 1 ...
     attach_reducer(pipe, reducer)                             # buckets launch after each stage's last W
-    loss = pipeline_forward_backward(tr)                      # one iteration (instead of the microbatch loop)
+    loss = pipeline_forward_backward(tr)                      # one iteration: a PendingLoss (deferred_loss)
     loss = pipeline_evaluate(tr)                              # a forward-only plan through the same stages
     write_pipeline_trace(tr)                                  # --pipeline-trace, at the end of the run
 
@@ -17,11 +17,11 @@ Gradient reduction and tied embeddings, in the order that keeps every optimizer 
 2. During the plan, after a stage's m-th W (or BW) its parameters are final: ``mark_grad_ready`` for each of them
    except the tied word-embedding copies, so a data-parallel bucket launches as soon as its last stage finished --
    overlapping the reduction with the other stages' remaining work.
-3. After the plan, ``GPTPipeline.forward_backward`` sums the two tied copies' gradients (an all-reduce over the
-   embedding group, or a local add when V placement puts both on one rank).  Their buckets cannot have launched
-   yet, so the sum happens *before* the data-parallel reduction -- required for the distributed optimizer, whose
-   reduce-scatter leaves only a shard of each bucket valid, and the two copies live in differently laid-out
-   buffers on different ranks.
+3. The two tied copies' gradients are summed by ``GPTPipeline`` (an all-reduce over the embedding group, started
+   when the copy's stage ran its last W and waited for after the plan, or a local add when V placement puts both
+   on one rank).  Their buckets cannot have launched yet, so the sum happens *before* the data-parallel reduction
+   -- required for the distributed optimizer, whose reduce-scatter leaves only a shard of each bucket valid, and
+   the two copies live in differently laid-out buffers on different ranks.
 4. ``reducer.finish()`` launches the rest (the tied copies' buckets) and waits; sequence-parallel grads are summed.
 
 The global grad norm counts the tied copy once, as Megatron does: the output head's copy is tagged
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron.data.loader import train_microbatches
+from megatron.deferred_loss import PendingLoss
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
 from megatron.parallel.context import ParallelContext
@@ -109,8 +110,9 @@ def _train_batches(tr: Trainer) -> list[dict[str, torch.Tensor]]:
     return train_microbatches(tr)
 
 
-def pipeline_forward_backward(tr: Trainer) -> float:
-    """One iteration through the plan; returns the global-batch mean loss (as the pp = 1 loop does)."""
+def pipeline_forward_backward(tr: Trainer) -> PendingLoss:
+    """One iteration through the plan; returns the global-batch mean loss (as the pp = 1 loop does) with its
+    reductions over the pipeline and data-parallel groups started, not waited for (``megatron.deferred_loss``)."""
 
     run, ctx, pipe = tr.run, tr.ctx, tr.pipeline
     batches = _train_batches(tr)
@@ -120,11 +122,11 @@ def pipeline_forward_backward(tr: Trainer) -> float:
     else:  # the previous step's gradients stay until the plan validates it (which zeroes them)
         tr.reducer.start_iteration()
     tr.reducer.prepare_microbatch(is_last=False)  # readiness comes from the plan, not from counting
-    total = pipe.forward_backward(batches, iteration=tr.iteration)  # sums the tied copies before their buckets go
+    total, work = pipe.start_forward_backward(batches, iteration=tr.iteration)  # tied copies summed before buckets
     tr.reducer.finish()
     if run.parallel.sequence_parallel or run.model.qk_layernorm:  # grads that are partial sums over tp
         allreduce_sequence_parallel_grads(tr.model.parameters(), ctx)
-    return mean_over_dp(total, len(batches), ctx)
+    return PendingLoss.of_context(total, len(batches), ctx, pp_work=work)
 
 
 @torch.no_grad()
@@ -167,6 +169,8 @@ def pipeline_summary(run: RunConfig, pipe: GPTPipeline | None) -> dict[str, str]
         out["layers per stage"] = layer_split_summary(layout)
     if run.pipeline.emulate_compute:
         out["emulated compute"] = f"F,B,W[,OPT] = {run.pipeline.emulate_compute} ms (losses are 0)"
+        if run.pipeline.emulate_stage_scale:
+            out["emulated compute"] += f", rank r's F,B,W times s_r = {run.pipeline.emulate_stage_scale}"
     if run.pipeline.trace_path:
         out["pipeline trace"] = run.pipeline.trace_path
     return out

@@ -83,9 +83,13 @@ def device_of(group: Any = None) -> torch.device:
     return placement(group).device
 
 
-def check_devices(op: str, tensors: Iterable[torch.Tensor], group: Any) -> GroupPlacement:
-    """``group``'s placement, after checking that every tensor of call ``op`` is on its device."""
-    where = placement(group)
+def check_devices(
+    op: str, tensors: Iterable[torch.Tensor], group: Any, where: GroupPlacement | None = None
+) -> GroupPlacement:
+    """``group``'s placement, after checking that every tensor of call ``op`` is on its device.  ``where``: the
+    group's placement as the caller resolved it once (the P2P layer, per transfer), so it is not looked up again."""
+    if where is None:
+        where = placement(group)
     for t in tensors:
         if not where.accepts(t.device):
             raise CommDeviceError(

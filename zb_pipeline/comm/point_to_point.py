@@ -27,21 +27,22 @@ import torch
 
 from zb_pipeline.comm.backend import current
 from zb_pipeline.comm.failures import calling
-from zb_pipeline.comm.placement import check_devices, placement
+from zb_pipeline.comm.placement import GroupPlacement, check_devices, placement
 
 __all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
 
 
-def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
-    """Start sending ``t`` to global rank ``peer``; returns the work."""
-    check_devices("isend", (t,), group)
+def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0, where: GroupPlacement | None = None) -> Any:
+    """Start sending ``t`` to global rank ``peer``; returns the work.  ``where``: ``group``'s placement if the caller
+    holds it (``comm.placement(group)``, resolved once), saving the per-call lookup."""
+    check_devices("isend", (t,), group, where)
     with calling("isend", group, (peer,)):
         return current().isend(t, peer, group=group, tag=tag)
 
 
-def irecv(buf: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0) -> Any:
-    """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
-    check_devices("irecv", (buf,), group)
+def irecv(buf: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0, where: GroupPlacement | None = None) -> Any:
+    """Start receiving into ``buf`` from global rank ``peer``; returns the work (``where``: as for ``isend``)."""
+    check_devices("irecv", (buf,), group, where)
     with calling("irecv", group, (peer,)):
         return current().irecv(buf, peer, group=group, tag=tag)
 
@@ -60,11 +61,18 @@ def recv(buf: torch.Tensor, peer: int, *, group: Any = None) -> None:
         current().recv(buf, peer, group=group)
 
 
-def batch_isend_irecv(ops: Sequence[tuple[bool, torch.Tensor, int]], *, group: Any = None, tag: int = 0) -> list[Any]:
-    """Post ``(is_send, tensor, global peer)`` ops as one group (NCCL matches them as a unit); one work per op."""
+def batch_isend_irecv(
+    ops: Sequence[tuple[bool, torch.Tensor, int]],
+    *,
+    group: Any = None,
+    tag: int = 0,
+    where: GroupPlacement | None = None,
+) -> list[Any]:
+    """Post ``(is_send, tensor, global peer)`` ops as one group (NCCL matches them as a unit); one work per op
+    (``where``: as for ``isend``)."""
     if not ops:
         return []
-    check_devices("batch_isend_irecv", (t for _, t, _ in ops), group)
+    check_devices("batch_isend_irecv", (t for _, t, _ in ops), group, where)
     b = current()
     with calling("batch_isend_irecv", group, sorted({peer for _, _, peer in ops})):
         return list(
@@ -81,14 +89,16 @@ def wait(
     timeout: timedelta | None = None,
     op: str = "wait",
     peers: Sequence[int] | None = None,
+    where: GroupPlacement | None = None,
 ) -> None:
-    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only).
+    """Wait for ``work`` of ``group`` (see the module docstring: a host timeout on gloo only; ``where``: as for
+    ``isend``).
 
     ``op`` names the call whose work this is and ``peers`` the global ranks it waits for (default: the group's
     other members), for the ``PeerFailedError`` raised if a peer died or stopped.
     """
     with calling(op, group, peers):
-        if timeout is None or placement(group).is_nccl:
+        if timeout is None or (where if where is not None else placement(group)).is_nccl:
             work.wait()
         else:
             work.wait(timeout)

@@ -3,6 +3,10 @@
 ``--emulate-compute F,B,W[,OPT]`` gives milliseconds for a rank's *whole share* of layers for one microbatch, as
 the simulator reads costs; with several chunks per rank each chunk's action costs its ``1/chunks`` part.  OPT is the
 optimizer step per iteration (``optimizer_step``).  Many ranks fit on two cores because sleeping costs nothing.
+``--emulate-stage-scale s0,s1,...`` (one factor per pipeline rank, ``parse_stage_scale``) multiplies rank r's F, B
+and W by ``s_r`` -- a heterogeneous pipeline, e.g. a last stage 1.5x as slow -- as the simulator's per-rank costs
+do; OPT is not scaled.  ``charged`` sums the cost each kind of action was given (seconds), so a test can check what
+the emulator charged without timing it.
 
 Each action sleeps until an absolute deadline: it starts at the end of the previous action's deadline, or when its
 input arrived if it had to wait for it, and ends ``cost`` later.  Oversleeping one action is therefore made up by
@@ -59,6 +63,24 @@ class EmulatedCosts:
         return cls(*values)
 
 
+def parse_stage_scale(text: str, num_ranks: int) -> tuple[float, ...]:
+    """``"1,1,1.5"`` -> one factor per pipeline rank (each a finite number > 0); ``ValueError`` naming the fix."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--emulate-stage-scale {text!r}: every factor must be a number, e.g. 1,1,1.5") from None
+    if len(values) != num_ranks:
+        raise ValueError(
+            f"--emulate-stage-scale {text!r} gives {len(values)} factor(s) but the pipeline has {num_ranks} ranks; "
+            f"give one per rank (--pipeline-model-parallel-size {num_ranks})"
+        )
+    bad = [p for p, v in zip(parts, values) if not (0 < v < float("inf"))]
+    if bad:
+        raise ValueError(f"--emulate-stage-scale {text!r}: factor {bad[0]} must be a finite number > 0")
+    return values
+
+
 # The OS wakes a sleeping thread late (about 0.15 ms here, more under load); the last stretch before a deadline is
 # spun instead, so an emulated action ends on time and its output is posted when the plan says.
 SPIN_S = 3e-4
@@ -84,16 +106,21 @@ class EmulatedCompute:
         chunks: int,
         boundary_specs: Sequence[TensorSpec],
         device: torch.device | str = "cpu",
+        scale: float = 1.0,
     ) -> None:
-        """``device``: the P2P layer's (the hand-off buffers it sends live there)."""
+        """``device``: the P2P layer's (the hand-off buffers it sends live there); ``scale``: this rank's factor on
+        F, B and W (``--emulate-stage-scale``)."""
         if chunks < 1:
             raise ValueError(f"{chunks=} must be >= 1")
-        self.costs = costs
-        self.f_s = costs.f_ms / 1e3 / chunks
-        self.b_s = costs.b_ms / 1e3 / chunks
-        self.w_s = costs.w_ms / 1e3 / chunks
+        if not 0 < scale < float("inf"):
+            raise ValueError(f"{scale=} must be a finite number > 0")
+        self.costs, self.scale = costs, scale
+        self.f_s = costs.f_ms / 1e3 / chunks * scale
+        self.b_s = costs.b_ms / 1e3 / chunks * scale
+        self.w_s = costs.w_ms / 1e3 / chunks * scale
         self.buffers = [torch.zeros(spec.shape, dtype=spec.dtype, device=device) for spec in boundary_specs]
         self.deadline = 0.0
+        self.charged = {Kind.F: 0.0, Kind.B: 0.0, Kind.W: 0.0, Kind.BW: 0.0}  # seconds given to each kind
 
     def attach(self, target: Any) -> None:
         """Replace the compute handlers of ``target`` (a ``PipelineRuntime`` or ``PipelineExecutor``) by sleeping
@@ -117,6 +144,7 @@ class EmulatedCompute:
         ex.fetch_input(a)
         t1 = time.perf_counter()
         self._run(self.f_s, t1 if t1 - t0 > _BLOCKED_S else None)
+        self.charged[Kind.F] += self.f_s
         if a.stage < ex.num_stages - 1:
             ex.deliver_output(a, self.buffers[a.stage])
         ex.save_for_backward(a, None, None)
@@ -132,14 +160,17 @@ class EmulatedCompute:
 
     def _b(self, ex: PipelineExecutor, a: Action) -> None:
         self._backward(ex, a, self.b_s)
+        self.charged[Kind.B] += self.b_s
         ex.defer_w(a)
 
     def _bw(self, ex: PipelineExecutor, a: Action) -> None:
         self._backward(ex, a, self.b_s + self.w_s)
+        self.charged[Kind.BW] += self.b_s + self.w_s
 
     def _w(self, ex: PipelineExecutor, a: Action) -> None:
         ex.complete_w(a)
         self._run(self.w_s, None)
+        self.charged[Kind.W] += self.w_s
 
     def optimizer_step(self) -> None:
         """Sleep the OPT share (call once per iteration after ``executor.run``)."""

@@ -142,8 +142,9 @@ class PipelineExecutor:
         self.replay_requested = False
         self.replays = 0  # iterations replayed (post-validation changed the weights their first forwards used)
         self._replay_cache: tuple[Any, int | None] = (None, None)
-        self._prepost_cache: tuple[Any, int, tuple[tuple[Action, ...], ...]] = (None, 0, ())
-        # On gloo, receives are posted up to this many compute actions before their own batch (``_prepost_plan``).
+        # (id(steps), ahead, first ahead) -> (steps, post_plan(...)): the batches as posted on gloo, built once.
+        self._post_plans: dict[tuple[int, int, int], tuple[tuple, tuple]] = {}
+        # On gloo, receives are posted up to this many compute actions before their own batch (``post_plan``).
         self.prepost_ahead = PREPOST_AHEAD
 
     # -- extension interface ----------------------------------------------------------------------------------
@@ -235,14 +236,20 @@ class PipelineExecutor:
         """Run ``steps``; True if a replay was requested by the time the replay point was reached."""
         handlers, tracer, p2p, after_post = self.handlers, self.tracer, self.p2p, self.hooks.after_post
         grads_final = self.hooks.stage_grads_final
-        ahead = self._prepost_plan(steps) if p2p is not None and p2p.can_prepost else None
         first_ahead = 0 if replay_at is None else replay_at  # never post ahead across the replay point's cut
+        posts = self._post_plan(steps, first_ahead) if p2p is not None and p2p.can_prepost else None
+        payload = self._payload
         computed = False
         for j, step in enumerate(steps):
             if type(step) is CommBatch:
-                p2p.post(step, self._payload)
-                if ahead is not None and j >= first_ahead and ahead[j]:
-                    p2p.prepost(ahead[j])
+                if posts is None:
+                    p2p.post(step, payload)
+                else:  # what is left of this batch, then the receives posted ahead here (built once per plan)
+                    rest, early = posts[j]
+                    if rest is not None:
+                        p2p.post(rest, payload)
+                    if early is not None:
+                        p2p.post(early, payload)
                 if after_post:
                     for a in step.actions:
                         for hook in after_post.get(a.kind, ()):
@@ -289,13 +296,16 @@ class PipelineExecutor:
             for hook in self.hooks.stage_grads_final:
                 hook(stage)
 
-    def _prepost_plan(self, steps: tuple) -> tuple[tuple[Action, ...], ...]:
-        """``prepost_windows(steps, self.prepost_ahead)``, cached per plan."""
-        cached_steps, cached_ahead, cached = self._prepost_cache
-        if cached_steps is steps and cached_ahead == self.prepost_ahead:
-            return cached
-        plan = prepost_windows(steps, self.prepost_ahead)
-        self._prepost_cache = (steps, self.prepost_ahead, plan)
+    def _post_plan(self, steps: tuple, first_ahead: int) -> tuple[tuple[CommBatch | None, CommBatch | None], ...]:
+        """``post_plan(steps, self.prepost_ahead, first_ahead)``, built once per plan (and replay point)."""
+        key = (id(steps), self.prepost_ahead, first_ahead)
+        hit = self._post_plans.get(key)
+        if hit is not None and hit[0] is steps:
+            return hit[1]
+        if len(self._post_plans) > 8:  # replays build plans of fresh step tuples: keep the cache small
+            self._post_plans.clear()
+        plan = post_plan(steps, self.prepost_ahead, first_ahead)
+        self._post_plans[key] = (steps, plan)
         return plan
 
     # -- replay (optimizer post-validation) -------------------------------------------------------------------
@@ -483,4 +493,28 @@ def prepost_windows(steps: Sequence[object], ahead: int) -> tuple[tuple[Action, 
                     continue
                 picked += [a for a in later.actions if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B]
         out.append(tuple(picked))
+    return tuple(out)
+
+
+def post_plan(
+    steps: Sequence[object], ahead: int, first_ahead: int = 0
+) -> tuple[tuple[CommBatch | None, CommBatch | None], ...]:
+    """What the executor posts at each step index of a rank's lowered plan when receives go ahead of their batches
+    (gloo): ``(rest, early)`` for a batch -- the batch without the receives already posted ahead (``None`` if none
+    is left), then the receives of ``prepost_windows(steps, ahead)[j]`` not yet posted (``None`` if none; windows
+    before ``first_ahead``, the post-validation replay point, are skipped) -- and ``(None, None)`` for a compute
+    action.  The same ops in the same order as filtering at run time, computed once per plan."""
+    windows = prepost_windows(steps, ahead)
+    early_posted: set[Action] = set()
+    out: list[tuple[CommBatch | None, CommBatch | None]] = []
+    for j, step in enumerate(steps):
+        if type(step) is not CommBatch:
+            out.append((None, None))
+            continue
+        rest = tuple(a for a in step.actions if a not in early_posted)
+        early_posted.difference_update(step.actions)
+        new = tuple(a for a in windows[j] if a not in early_posted) if j >= first_ahead else ()
+        early_posted.update(new)
+        batch = None if not rest else step if len(rest) == len(step.actions) else CommBatch(rest)
+        out.append((batch, CommBatch(new) if new else None))
     return tuple(out)

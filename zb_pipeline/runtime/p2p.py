@@ -140,6 +140,8 @@ class PipelineP2P:
                 f"rank {pp_rank}: the pipeline's {where.backend} group moves tensors on {where.device}, not on "
                 f"device={self.device}; pass the ParallelContext's device (or none)"
             )
+        # Resolved once and handed to every call (a lookup per transfer was the runtime's largest own cost).
+        self._where = where
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
         self.check = check
@@ -200,6 +202,13 @@ class PipelineP2P:
             ) from err
 
     @property
+    def waits_on_stream(self) -> bool:
+        """NCCL: a receive completes on the compute stream (``take`` makes the current stream wait for the
+        communication stream and returns at once; the host never waits for the device, and the process group's
+        watchdog times a transfer out).  Otherwise (gloo) the host waits, with ``timeout_s``."""
+        return self._where.is_nccl
+
+    @property
     def can_prepost(self) -> bool:
         """Whether receives may be posted ahead of their batch: gloo (each op matched on its own, in order per peer)
         without the checking mode.  NCCL matches grouped ops as a unit, so its batches stay as planned."""
@@ -243,18 +252,18 @@ class PipelineP2P:
     def _post_gloo(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """gloo matches each op on its own, in order per (peer, direction): the sends go out first -- a peer may be
         waiting for them -- and the receives after them, each in the plan's order."""
-        group, tag, pp_ranks = self.group, _DATA_TAG, self.pp_ranks
+        group, tag, pp_ranks, where = self.group, _DATA_TAG, self.pp_ranks, self._where
         receives = []
         for a in batch.actions:
             kind = a.kind
             if kind is _SEND_F or kind is _SEND_B or kind is _SEND_PV:
                 t = self._send_tensor(a, payload)
-                self._sends.append((comm.isend(t, pp_ranks[a.peer], group=group, tag=tag), t, a))
+                self._sends.append((comm.isend(t, pp_ranks[a.peer], group=group, tag=tag, where=where), t, a))
             else:
                 receives.append(a)
         for a in receives:
             buf = self._recv_buffer(a)
-            work = comm.irecv(buf, pp_ranks[a.peer], group=group, tag=tag)
+            work = comm.irecv(buf, pp_ranks[a.peer], group=group, tag=tag, where=where)
             self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
 
     def _recv_buffer(self, a: Action) -> torch.Tensor:
@@ -301,7 +310,9 @@ class PipelineP2P:
                     ident = torch.tensor(transfer_identity(a), dtype=torch.int64, device=self.device)
                     self._acks.append((comm.isend(ident, peer, group=self.group, tag=_ACK_TAG), ident, a))
         if self._batched:
-            works = comm.batch_isend_irecv([(s, t, peer) for s, t, peer, _ in ops], group=self.group, tag=_DATA_TAG)
+            works = comm.batch_isend_irecv(
+                [(s, t, peer) for s, t, peer, _ in ops], group=self.group, tag=_DATA_TAG, where=self._where
+            )
         else:
             works = [
                 (comm.isend if s else comm.irecv)(t, peer, group=self.group, tag=_DATA_TAG) for s, t, peer, _ in ops
@@ -356,7 +367,13 @@ class PipelineP2P:
         turn into a plan error) when not; ``PipelinePeerError`` if the transfer failed (a dead peer)."""
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            comm.wait(work, group=self.group, timeout=timedelta(seconds=left), peers=(self.pp_ranks[a.peer],))
+            comm.wait(
+                work,
+                group=self.group,
+                timeout=timedelta(seconds=left),
+                peers=(self.pp_ranks[a.peer],),
+                where=self._where,
+            )
         except comm.PeerFailedError as err:
             if err.timed_out:
                 return err
@@ -392,7 +409,7 @@ class PipelineP2P:
         tracer = self.tracer
         t0 = time.perf_counter() if tracer is not None else 0.0
         try:
-            comm.wait(work, group=self.group, timeout=self._timeout)
+            comm.wait(work, group=self.group, timeout=self._timeout, where=self._where)
         except comm.PeerFailedError as err:
             raise self._peer_error(
                 err,
@@ -416,7 +433,8 @@ class PipelineP2P:
         deadline = time.monotonic() + self.timeout_s
         for work, _, a in self._sends:
             try:
-                comm.wait(work, group=self.group, timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                comm.wait(work, group=self.group, timeout=left, where=self._where)
             except comm.PeerFailedError as err:
                 raise self._peer_error(
                     err,
@@ -427,7 +445,8 @@ class PipelineP2P:
                 ) from err
         for work, _, a in self._acks:
             try:
-                comm.wait(work, group=self.group, timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                comm.wait(work, group=self.group, timeout=left, where=self._where)
             except comm.PeerFailedError as err:
                 raise self._peer_error(
                     err,

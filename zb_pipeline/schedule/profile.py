@@ -268,3 +268,18 @@ def profile_is_finite(profile: Profile) -> bool:
     """True when every measured time is a finite number (a sanity check for tools)."""
     vals = [v for v in (*profile.f, *profile.b, *profile.w) if v is not None]
     return all(math.isfinite(v) for v in vals)
+
+
+def split_cost_ratio(split: Profile, fused: Profile) -> tuple[float | None, ...]:
+    """Per virtual stage, (B + W) as ``split`` measured it (a split-backward schedule's run) over BW as ``fused``
+    measured it (a fused schedule's run, e.g. 1F1B) on the same stages: what splitting the backward costs inside
+    the pipeline (1.0: nothing).  ``None`` for a stage either profile lacks; ``ValueError`` if the stages differ."""
+    if split.num_stages != fused.num_stages:
+        raise ValueError(
+            f"profiles of {split.schedule!r} ({split.num_stages} stages) and {fused.schedule!r} "
+            f"({fused.num_stages} stages) are of different layouts"
+        )
+    out = []
+    for b, w, bw in zip(split.b, split.w, fused.bw):
+        out.append(None if b is None or w is None or not bw else (b + w) / bw)
+    return tuple(out)

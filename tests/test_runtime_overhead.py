@@ -1,0 +1,145 @@
+"""Per-action overhead (issue 21): what ``tools/bench_overhead.py`` counts, and the runtime's cuts that can be checked
+without a clock -- the P2P layer resolves its group's placement once, not per transfer, and picks stream-side
+completion on NCCL (the host never waits for the device there) and host waits with a timeout on gloo."""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from zb_pipeline import comm
+from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+from zb_pipeline.schedule.ir import Action, Kind
+from zb_pipeline.schedule.lowering import CommBatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from bench_overhead import gaps, summarise  # noqa: E402
+
+
+def test_gaps_split_the_time_between_actions_into_backend_and_runtime() -> None:
+    ms = 1e-3
+    actions = [(0.0, 10 * ms), (10.5 * ms, 20 * ms), (25 * ms, 30 * ms), (30.2 * ms, 40 * ms)]
+    spans = [(10.1 * ms, 10.2 * ms), (10.6 * ms, 10.65 * ms), (30.05 * ms, 30.1 * ms), (20.5 * ms, 24.9 * ms)]
+    waits = [(10.6 * ms, 10.65 * ms), (25.0 * ms, 25.0 * ms + 3 * ms)]  # the second one blocked: not overhead
+    got = gaps(actions, spans, waits)
+    # pair 1: gap = (10.5 - 10) + (10.65 - 10.5), backend = 0.1 + 0.05; pair 3: gap 0.2, no wait, backend 0.05
+    assert [x for pair in got for x in pair] == pytest.approx([0.65 * ms, 0.15 * ms, 0.2 * ms, 0.05 * ms])
+    s = summarise(got)
+    assert s["n"] == 2 and s["runtime_mean"] == pytest.approx(((0.65 - 0.15) + (0.2 - 0.05)) / 2)
+
+
+class _Work:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def wait(self, *args) -> bool:
+        self.log.append(args)
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _CountingDist:
+    """A backend that counts group look-ups and records how works were waited for."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.lookups, self.waits = backend, 0, []
+
+    def get_backend(self, group=None) -> str:
+        self.lookups += 1
+        return self.backend
+
+    def isend(self, t, peer, group=None, tag=0):
+        return _Work(self.waits)
+
+    def irecv(self, t, peer, group=None, tag=0):
+        return _Work(self.waits)
+
+
+def _round(p2p: PipelineP2P) -> None:
+    for mb in range(3):
+        send, recv = Action(0, Kind.SEND_F, mb, peer=1), Action(0, Kind.RECV_B, mb, peer=1)
+        p2p.post(CommBatch((send, recv)), lambda a: torch.zeros(2, 3))
+        p2p.take(Kind.RECV_B, 0, mb, Action(0, Kind.B, mb))
+    p2p.finish()
+
+
+def test_the_p2p_layer_looks_its_group_up_once_and_waits_on_the_host_only_on_gloo() -> None:
+    group = object()
+    fake = _CountingDist("gloo")
+    with comm.use(fake):
+        p2p = PipelineP2P(pp_rank=0, boundary_specs=[TensorSpec((2, 3))], group=group, pp_ranks=(0, 1), timeout_s=5)
+        assert fake.lookups == 1 and not p2p.waits_on_stream
+        _round(p2p)
+    assert fake.lookups == 1, "a placement look-up per transfer is back on the hot path"
+    # the 3 receives' takes (the completed sends were reaped without a wait)
+    assert len(fake.waits) == 3 and all(isinstance(w[0], timedelta) for w in fake.waits)
+
+    fake = _CountingDist("nccl")
+    with comm.use(fake), comm.pretend(group, backend="nccl", device="meta"):
+        p2p = PipelineP2P(pp_rank=0, boundary_specs=[TensorSpec((2, 3))], group=group, pp_ranks=(0, 1), timeout_s=5)
+        assert p2p.waits_on_stream and p2p.device == torch.device("meta")
+        send, recv = Action(0, Kind.SEND_F, 0, peer=1), Action(0, Kind.RECV_B, 0, peer=1)
+        fake.batch_isend_irecv = lambda ops: [_Work(fake.waits) for _ in ops]
+        fake.P2POp = lambda op, t, peer, group=None, tag=0: (op, t, peer)
+        p2p.post(CommBatch((send, recv)), lambda a: torch.zeros(2, 3, device="meta"))
+        p2p.take(Kind.RECV_B, 0, 0, Action(0, Kind.B, 0))
+        p2p.finish()
+    assert fake.waits == [()]  # stream-side: no host timeout on the receive
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "zb-v", "interleaved-zb"])
+@pytest.mark.parametrize("first_ahead", [0, 5])
+def test_the_post_plan_built_once_posts_every_op_once_in_plan_order_and_never_late(name: str, first_ahead: int) -> None:
+    """``post_plan`` (what the executor posts on gloo, built once per plan) against the plan itself: every op of
+    every batch exactly once, sends at their own batch, each receive at its own batch or up to ``PREPOST_AHEAD``
+    compute actions earlier but never before ``first_ahead``, and the per-(peer, kind) order of the plan."""
+    from zb_pipeline.runtime.executor import PREPOST_AHEAD, post_plan
+    from zb_pipeline.schedule.lowering import lower
+    from zb_pipeline.schedule.registry import generate
+
+    lowered = lower(generate(name, 4, 8))
+    for rank, steps in enumerate(lowered.ranks):
+        plan = post_plan(steps, PREPOST_AHEAD, first_ahead)
+        assert len(plan) == len(steps)
+        home = {a: j for j, st in enumerate(steps) if isinstance(st, CommBatch) for a in st.actions}
+        computes_before = [sum(not isinstance(st, CommBatch) for st in steps[:j]) for j in range(len(steps))]
+        posted: list[Action] = []
+        for j, (rest, early) in enumerate(plan):
+            if not isinstance(steps[j], CommBatch):
+                assert (rest, early) == (None, None)
+                continue
+            for a in rest.actions if rest is not None else ():
+                assert home[a] == j
+                posted.append(a)
+            for a in early.actions if early is not None else ():
+                assert a.kind in (Kind.RECV_F, Kind.RECV_B) and j < home[a] and j >= first_ahead
+                assert computes_before[home[a]] - computes_before[j] <= PREPOST_AHEAD
+                posted.append(a)
+        assert sorted(map(str, posted)) == sorted(map(str, home)) and len(set(posted)) == len(posted)
+        planned = [a for st in steps if isinstance(st, CommBatch) for a in st.actions]
+        for peer in {a.peer for a in planned}:
+            for kind in {a.kind for a in planned}:
+                want = [a for a in planned if a.peer == peer and a.kind == kind]
+                assert [a for a in posted if a.peer == peer and a.kind == kind] == want, (rank, peer, kind)
+
+
+def test_split_cost_ratio_is_b_plus_w_over_the_fused_bw_per_stage() -> None:
+    from zb_pipeline.schedule.profile import Profile, split_cost_ratio
+
+    def prof(name: str, b, w, bw) -> Profile:
+        n = len(bw)
+        zeros = (0.0,) * n
+        return Profile(2, (0, 1), (1.0,) * n, b, w, bw, 0.1, zeros, zeros, zeros, schedule=name)
+
+    split = prof("zb-h1", (2.0, 3.0), (1.0, 1.5), (None, None))
+    fused = prof("1f1b", (None, None), (None, None), (3.0, 4.0))
+    assert split_cost_ratio(split, fused) == (1.0, 1.125)
+    assert split_cost_ratio(fused, fused) == (None, None)
+    with pytest.raises(ValueError, match="different layouts"):
+        split_cost_ratio(split, prof("zb-v", (1.0,) * 4, (1.0,) * 4, (None,) * 4))

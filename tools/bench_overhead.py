@@ -1,0 +1,319 @@
+"""Per-action overhead of the pipeline runtime: the gap between one compute action's end and the next one's start
+when the next one's input is already there, split into the time inside the backend's calls and the runtime's own.
+
+    python tools/bench_overhead.py                      # pp = 2 and 4, emulated and real compute, a few schedules
+    python tools/bench_overhead.py --pp 2 --compute emulated --schedules 1f1b zb-h2 --iterations 20
+    python tools/bench_overhead.py --profile-out bench/results/overhead.prof   # cProfile of rank 0, long emulated run
+
+How it measures (one launch of p gloo ranks per case; no wall-clock asserts anywhere):
+
+- every compute action's handler is wrapped (outermost) and records when it was entered and left;
+- the communication layer runs over a timing wrapper of ``torch.distributed`` (``comm.use``), which records every
+  ``isend``/``irecv``/``batch_isend_irecv`` call and every wait on their work, with start and end;
+- the gap after action k = (entry of action k+1 - exit of action k) + (inside k+1: from its entry to the end of its
+  input's wait, when it waited for a receive).  It counts only when that wait returned within ``BLOCKED_S`` (the
+  input was there: a wait that blocked is the pipeline's dependency, not overhead);
+- backend share = the backend calls and waits inside that gap; the runtime's share = the rest (plan walking, the P2P
+  layer's bookkeeping, hooks, handler dispatch, allocating receive buffers).
+
+Compute: ``emulated`` sleeps F, B, W (``zb_pipeline.runtime.emulate``, 4,4,2 ms by default), ``real`` runs small
+MLP stages of the deferrable linear (hidden 256, 4 layers per stage) so B/W and autograd are real.
+Writes ``overhead.md`` (and ``.json``) into ``--out`` (default ``bench/results``).  Results depend on the machine's
+load: note ``uptime``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from zb_pipeline import comm  # noqa: E402
+from zb_pipeline.runtime.deferrable_linear import DeferrableLinear  # noqa: E402
+from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
+from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
+from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
+from zb_pipeline.schedule import registry  # noqa: E402
+from zb_pipeline.schedule.ir import Kind  # noqa: E402
+from zb_pipeline.schedule.lowering import lower  # noqa: E402
+from zb_pipeline.testing import run_multiprocess  # noqa: E402
+
+BLOCKED_S = 2e-4  # a wait longer than this blocked: its gap is the pipeline's dependency, not overhead
+COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W, Kind.BW)
+HIDDEN, LAYERS, TOKENS = 256, 4, 64
+DEFAULT_SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-zb")
+
+
+class TimedBackend:
+    """``torch.distributed`` whose P2P calls and waits are timed: ``spans`` holds (start, end) of each."""
+
+    _TIMED = frozenset({"isend", "irecv", "batch_isend_irecv"})
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self.spans: list[tuple[float, float]] = []
+        self.waits: list[tuple[float, float]] = []  # waits on receives only (a consumer's input)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._real, name)
+        if name in self._TIMED:
+            attr = functools.partial(self._timed, name, attr)
+        setattr(self, name, attr)  # looked up once: the wrapper's own cost stays out of the runtime's share
+        return attr
+
+    def _timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        self.spans.append((t0, time.perf_counter()))
+        if name == "batch_isend_irecv":
+            return [_TimedWork(w, self, op.op is self._real.irecv) for w, op in zip(out, args[0])]
+        return _TimedWork(out, self, name == "irecv")
+
+
+class _TimedWork:
+    def __init__(self, work: Any, owner: TimedBackend, is_recv: bool) -> None:
+        self._work, self._owner, self._is_recv = work, owner, is_recv
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = self._work.wait(*args, **kwargs)
+        t1 = time.perf_counter()
+        self._owner.spans.append((t0, t1))
+        if self._is_recv:
+            self._owner.waits.append((t0, t1))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class _MLPStage(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.layers = torch.nn.ModuleList(DeferrableLinear(HIDDEN, HIDDEN) for _ in range(LAYERS))
+        with torch.no_grad():
+            for lin in self.layers:
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * HIDDEN**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def _record_actions(ex: PipelineExecutor, log: list) -> None:
+    def wrap(handler: Any) -> Any:
+        def run(e: Any, a: Any) -> None:
+            t0 = time.perf_counter()
+            handler(e, a)
+            log.append((t0, time.perf_counter()))
+
+        return run
+
+    for kind in COMPUTE_KINDS:
+        ex.wrap_handler(kind, wrap)
+
+
+def gaps(actions: list[tuple[float, float]], spans: list[tuple[float, float]], waits: list[tuple[float, float]]):
+    """(gap, backend share) in seconds for each pair of consecutive actions whose second one's input was there."""
+    out = []
+    spans = sorted(spans)
+    waits = sorted(waits)
+    for (_, end), (start, stop) in zip(actions, actions[1:]):
+        inside = [w for w in waits if start <= w[0] and w[1] <= stop]  # the consumer's input wait, if any
+        if inside and inside[0][1] - inside[0][0] > BLOCKED_S:
+            continue
+        until = inside[0][1] if inside else start
+        backend = sum(min(b, until) - max(a, end) for a, b in spans if b > end and a < until)
+        out.append((until - end, backend))
+    return out
+
+
+def _rank(rank: int, world: int, name: str, m: int, compute: str, iterations: int, costs: str, *profiling: Any):
+    prof, prof_rank = profiling  # cProfile output path (or None) and the rank it profiles
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    sched = registry.generate(name, world, m)
+    lowered = lower(sched)
+    real = compute == "real"
+    spec = TensorSpec((TOKENS, HIDDEN) if real else (4, 16))
+    specs = [spec] * (sched.num_stages - 1)
+    backend = TimedBackend(dist)
+    with comm.use(backend):
+        p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120)
+        if real:
+            stages = {s: _MLPStage(s) for s in sched.stages_of(rank)}
+            x0 = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
+            ex = PipelineExecutor(
+                lowered, rank, stages, p2p=p2p, input_fn=lambda mb: x0, loss_fn=lambda out, mb: out.square().mean()
+            )
+        else:
+            stages = {s: torch.nn.Identity() for s in sched.stages_of(rank)}
+            ex = PipelineExecutor(lowered, rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda o, mb: None)
+            EmulatedCompute(EmulatedCosts.parse(costs), chunks=sched.chunks, boundary_specs=specs).attach(ex)
+        actions: list[tuple[float, float]] = []
+        _record_actions(ex, actions)
+        profiler = cProfile.Profile() if prof and rank == prof_rank else None
+        per_iter = []
+        warmup = 2
+        for it in range(iterations + warmup):
+            comm.barrier()
+            backend.spans.clear()
+            backend.waits.clear()
+            actions.clear()
+            if profiler is not None and it >= warmup:
+                profiler.enable()
+            ex.run(it)
+            if profiler is not None:
+                profiler.disable()
+            if real:
+                for st in stages.values():
+                    for p in st.parameters():
+                        p.grad = None
+            if it >= warmup:
+                per_iter.append(gaps(list(actions), list(backend.spans), list(backend.waits)))
+        if profiler is not None:
+            profiler.dump_stats(prof)
+    flat = [g for it in per_iter for g in it]
+    return {"gaps": flat}
+
+
+def summarise(samples: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Median and mean of the gap, the backend's share and the runtime's share, in ms."""
+    if not samples:
+        return {"n": 0}
+    gap = [g * 1e3 for g, _ in samples]
+    back = [b * 1e3 for _, b in samples]
+    own = [(g - b) * 1e3 for g, b in samples]
+    return {
+        "n": len(samples),
+        "gap_median": statistics.median(gap),
+        "gap_mean": statistics.fmean(gap),
+        "backend_median": statistics.median(back),
+        "backend_mean": statistics.fmean(back),
+        "runtime_median": statistics.median(own),
+        "runtime_mean": statistics.fmean(own),
+    }
+
+
+def run_case(
+    name: str, pp: int, m: int, compute: str, iterations: int, costs: str, prof: str | None, prof_rank: int = 0
+) -> list[dict]:
+    """One launch of ``pp`` ranks; per rank the ``summarise``d gaps (``prof``: cProfile ``prof_rank`` into it)."""
+    results = run_multiprocess(_rank, pp, args=(name, m, compute, iterations, costs, prof, prof_rank), timeout_s=600)
+    return [summarise(r["gaps"]) for r in results]
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = [
+        "| compute | schedule | p | m | rank | gaps | gap median / mean (ms) | backend median / mean "
+        "| runtime median / mean |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        s = r["stats"]
+        if not s.get("n"):
+            lines.append(f"| {r['compute']} | {r['schedule']} | {r['pp']} | {r['m']} | {r['rank']} | 0 | - | - | - |")
+            continue
+        lines.append(
+            f"| {r['compute']} | {r['schedule']} | {r['pp']} | {r['m']} | {r['rank']} | {s['n']} | "
+            f"{s['gap_median']:.3f} / {s['gap_mean']:.3f} | {s['backend_median']:.3f} / {s['backend_mean']:.3f} | "
+            f"{s['runtime_median']:.3f} / {s['runtime_mean']:.3f} |"
+        )
+    return lines
+
+
+def _profile_summary(path: str, top: int = 25) -> list[str]:
+    stats = pstats.Stats(path)
+    stats.sort_stats("tottime")
+    rows = []
+    for (file, line, fn), (_, calls, tottime, cumtime, _) in sorted(
+        stats.stats.items(), key=lambda kv: kv[1][2], reverse=True
+    )[:top]:
+        where = file.replace(ROOT + os.sep, "")
+        rows.append(f"| {where}:{line} {fn} | {calls} | {tottime * 1e3:.1f} | {cumtime * 1e3:.1f} |")
+    return ["| function | calls | own ms | cumulative ms |", "|---|---|---|---|", *rows]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--schedules", nargs="+", default=list(DEFAULT_SCHEDULES))
+    ap.add_argument("--compute", nargs="+", choices=("emulated", "real"), default=["emulated", "real"])
+    ap.add_argument("--m-per-rank", type=int, default=2, help="m = this x p (default 2)")
+    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--emulate-compute", default="4,4,2", help="F,B,W ms (emulated compute)")
+    ap.add_argument("--profile-out", default=None, help="cProfile one rank of one long emulated zb-h2 run (pp 4) here")
+    ap.add_argument("--profile-rank", type=int, default=0, choices=range(4), help="the rank --profile-out profiles")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory for overhead.md/.json")
+    ap.add_argument("--quick", action="store_true", help="pp 2 only, two schedules, 2 iterations")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pp, args.schedules, args.iterations = [2], ["1f1b", "zb-h2"], 2
+    for p in args.pp:
+        if p < 2:
+            print(f"bench_overhead: --pp {p} must be >= 2 (a pipeline)", file=sys.stderr)
+            return 2
+    unknown = [s for s in args.schedules if s not in registry.available()]
+    if unknown:
+        print(f"bench_overhead: unknown schedule(s) {unknown}; pick from {registry.available()}", file=sys.stderr)
+        return 2
+    t_start = time.time()
+    rows = []
+    for compute in args.compute:
+        for p in args.pp:
+            m = args.m_per_rank * p
+            for name in args.schedules:
+                try:
+                    stats = run_case(name, p, m, compute, args.iterations, args.emulate_compute, None)
+                except ValueError as err:  # a schedule that does not serve this shape
+                    print(f"skip {name} p={p} m={m}: {str(err).splitlines()[0]}")
+                    continue
+                for rank, s in enumerate(stats):
+                    rows.append({"compute": compute, "schedule": name, "pp": p, "m": m, "rank": rank, "stats": s})
+                    print(_table([rows[-1]])[-1], flush=True)
+    lines = [
+        "# Per-action overhead of the pipeline runtime",
+        "",
+        f"`python tools/bench_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}` -- "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine: compare within one run only).",
+        "",
+        "Gap = a compute action's end to the next one's start when its input was already there; backend = inside "
+        "gloo's isend/irecv/wait calls; runtime = the rest (tools/bench_overhead.py docstring).",
+        "",
+        *_table(rows),
+    ]
+    if args.profile_out:
+        run_case("zb-h2", 4, 32, "emulated", 30, args.emulate_compute, args.profile_out, args.profile_rank)
+        where = f"rank {args.profile_rank} (zb-h2, p = 4, m = 32, 30 iterations, emulated)"
+        lines += ["", f"## cProfile of {where}: {args.profile_out}", ""]
+        lines += _profile_summary(args.profile_out)
+    os.makedirs(args.out, exist_ok=True)
+    md = os.path.join(args.out, "overhead.md")
+    with open(md, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(args.out, "overhead.json"), "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
