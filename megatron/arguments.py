@@ -43,6 +43,7 @@ from megatron.model.config import GPTConfig, padded_vocab_size
 from megatron.pipeline.layer_split import auto_layer_split, wants_auto_split
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
+from megatron.tokenizer.build import model_vocab_size
 
 
 @dataclass(frozen=True)
@@ -149,13 +150,13 @@ def model_config_from_flags(v: dict[str, Any], tp: int) -> GPTConfig:
             v[flag] is not None,
             f"--{flag.replace('_', '-')} is required (or pick a size with --model-config, e.g. gpt-tiny)",
         )
-    vocab = v["vocab_size"]
-    if vocab is None:
-        require(
-            v["mock_data"] or v["tokenizer_type"] is not None,
-            "--vocab-size is required without a tokenizer; pass --vocab-size N or --tokenizer-type",
-        )
-        vocab = MOCK_DATA_VOCAB_SIZE if v["mock_data"] else 0  # 0: filled in from the tokenizer (resolve_vocab)
+    require(
+        v["vocab_size"] is not None or v["mock_data"] or v["tokenizer_type"] is not None,
+        "--vocab-size is required without a tokenizer; pass --vocab-size N or --tokenizer-type",
+    )
+    vocab = _flag_vocab_size(v)
+    if vocab:  # NullTokenizer adds its end-of-document id; 0: filled in from the tokenizer (resolve_vocab)
+        vocab = model_vocab_size(v["tokenizer_type"], vocab)
     fields = {f.name: v[f.name] for f in dataclasses.fields(GPTConfig) if f.name in v}
     model = GPTConfig(
         **{
@@ -167,6 +168,13 @@ def model_config_from_flags(v: dict[str, Any], tp: int) -> GPTConfig:
     )
     model.check_tensor_parallel(tp)
     return model
+
+
+def _flag_vocab_size(v: dict[str, Any]) -> int:
+    """--vocab-size, or the mock-data default without it (0: real data, the tokenizer tells)."""
+    if v["vocab_size"] is not None:
+        return v["vocab_size"]
+    return MOCK_DATA_VOCAB_SIZE if v["mock_data"] else 0
 
 
 def position_embedding_type(v: dict[str, Any]) -> str:
@@ -362,7 +370,7 @@ def _io_configs(v: dict[str, Any], model: GPTConfig) -> tuple[DataConfig, Checkp
         vocab_file=v["vocab_file"],
         merge_file=v["merge_file"],
         tokenizer_model=v["tokenizer_model"],
-        vocab_size=model.vocab_size or None,
+        vocab_size=_flag_vocab_size(v) or None,  # the flag's N (NullTokenizer's ids); the model's is model.vocab_size
         num_workers=v["num_workers"],
         data_cache_path=v["data_cache_path"],
         train_data_path=tuple(v["train_data_path"] or ()),

@@ -17,7 +17,8 @@ from megatron.model.config import GPTConfig
 
 
 def checkpoint_model_args(load: str) -> dict[str, Any] | None:
-    """The ``GPTConfig`` fields saved in the latest checkpoint under ``load`` (``None`` when it holds none yet)."""
+    """The model flags' values saved in the latest checkpoint under ``load`` (``None`` when it holds none yet): its
+    ``GPTConfig`` fields, and for a NullTokenizer run that tokenizer with its ``--vocab-size``."""
     root = Path(load)
     iteration = cf.read_tracker(root)
     if iteration is None:
@@ -25,7 +26,12 @@ def checkpoint_model_args(load: str) -> dict[str, Any] | None:
     directory = cf.iteration_dir(root, iteration)
     common = cf.verified_load(directory, cf.COMMON, cf.read_manifest(directory))
     names = {f.name for f in dataclasses.fields(GPTConfig)}
-    return {k: v for k, v in common["model_args"].items() if k in names}
+    saved = {k: v for k, v in common["model_args"].items() if k in names}
+    tokenizer = common.get("tokenizer") or {}
+    if tokenizer.get("tokenizer_type") == "NullTokenizer":  # its --vocab-size N; the model's N + 1 follows from it
+        saved["tokenizer_type"] = "NullTokenizer"
+        saved["vocab_size"] = int(tokenizer["vocab_size"])
+    return saved
 
 
 def apply_checkpoint_args(values: dict[str, Any], load: str) -> list[str]:

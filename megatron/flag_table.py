@@ -219,7 +219,7 @@ def _model_flags(t: FlagTable) -> None:
         "--vocab-size",
         type=pi,
         default=None,
-        help=f"vocabulary size (mock data / null tokenizer; default {MOCK_DATA_VOCAB_SIZE} with --mock-data)",
+        help=f"vocabulary size (mock data, default {MOCK_DATA_VOCAB_SIZE}; NullTokenizer: N ids + EOD id N)",
     )
     m(g, "--untie-embeddings-and-output-weights", switch=True, help="separate output-layer weights")
     m(g, "--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, help="position embedding")

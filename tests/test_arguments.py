@@ -58,6 +58,24 @@ def test_megatron_flags_map_onto_component_configs():
     assert run.data.split_weights == pytest.approx((0.9, 0.1, 0.0)) and run.data.mock_data
 
 
+def test_the_model_vocabulary_follows_the_null_tokenizer_and_nothing_else():
+    """NullTokenizer's --vocab-size N is N ids plus its EOD id N (Megatron): the model gets N + 1 rows, padded; without
+    that tokenizer (mock data, or the default tokenizer type, never built) --vocab-size N is the model's N."""
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+    cases = {
+        (): (1024, 1024, 1024),  # mock data's default vocabulary
+        ("--vocab-size", "128"): (128, 128, 128),
+        tuple(null): (129, 128, 256),
+        (*null, "--make-vocab-size-divisible-by", "1"): (129, 128, 129),
+    }
+    for extra, expected in cases.items():
+        run = parse_run_config([*TINY, *extra])
+        assert (run.model.vocab_size, run.data.vocab_size, run.padded_vocab_size) == expected, extra
+    real = ["--model-config", "gpt-tiny", "--train-iters", "10", "--lr", "1e-3", "--data-path", "corpus"]
+    assert parse_run_config([*real, *null]).model.vocab_size == 129
+    assert parse_run_config(real).model.vocab_size == 0  # the default tokenizer's, read from its files at setup
+
+
 def test_megatron_defaults_and_derivations():
     run = parse_run_config([*TINY], world_size=1)
     m = run.model

@@ -10,6 +10,7 @@ from data_assets import train_small_bpe, train_small_sentencepiece, varied_corpu
 from megatron.model.config import padded_vocab_size
 from megatron.tokenizer import TokenizerConfig, build_tokenizer, clean_text
 from megatron.tokenizer.bpe_reference import byte_to_char
+from megatron.tokenizer.build import model_vocab_size
 from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
 
 
@@ -114,7 +115,8 @@ def test_sentencepiece_identity_normalisation_is_lossless_up_to_spaces(tmp_path)
 
 def test_null_tokenizer():
     tok = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100))
-    assert tok.vocab_size == 101 and tok.eod == 100
+    assert tok.vocab_size == 101 and tok.eod == 100  # Megatron's: ids 0..99, then the end-of-document id
+    assert model_vocab_size("NullTokenizer", 100) == 101 and model_vocab_size("GPT2BPETokenizer", 100) == 100
     assert tok.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
     assert tok.detokenize([3, 1, 4]) == "3 1 4"
     with pytest.raises(ValueError, match="outside"):

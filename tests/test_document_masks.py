@@ -6,16 +6,20 @@ trainer's datasets, and a pp = 2 pipeline (later stages get the same position id
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+from data_assets import tool
 from model_configs import pipeline_config, tiny_config
 
 from megatron.arguments import parse_run_config
 from megatron.config.documents import DocumentMaskConfig
 from megatron.config.errors import ConfigError
+from megatron.data.blended_dataset import build_gpt_datasets
 from megatron.data.document_masks import (
     DocumentMaskedDataset,
     apply_document_masks,
@@ -27,6 +31,7 @@ from megatron.microbatches import load_microbatch, microbatch_loss
 from megatron.model import build_gpt_model
 from megatron.parallel.context import ParallelContext
 from megatron.pipeline import ScheduleConfig, build_gpt_pipeline
+from megatron.training import pretrain
 from megatron.training_setup import document_masked
 from zb_pipeline.testing import run_multiprocess
 
@@ -89,7 +94,9 @@ def test_trainer_datasets_carry_the_fields() -> None:
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "7"]  # EOD = 7 of a vocabulary of 8
     run = parse_run_config([*argv, *null, "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask"])
     assert run.documents == ALL and run.model_flag_notes == ()
-    dataset = document_masked(run, MockGPTDataset(seed=1, seq_length=64, vocab_size=8, num_samples=4))
+    assert run.model.vocab_size == 8 and run.data.vocab_size == 7  # mock tokens are drawn over ids 0..7, EOD included
+    mock = MockGPTDataset(seed=1, seq_length=64, vocab_size=run.model.vocab_size, num_samples=4)
+    dataset = document_masked(run, mock)
     assert isinstance(dataset, DocumentMaskedDataset) and dataset.eod == 7
     batch = load_microbatch(dataset, [0, 1], torch.device("cpu"))
     eods = batch["tokens"] == 7
@@ -107,6 +114,36 @@ def test_trainer_datasets_carry_the_fields() -> None:
     assert any("no end-of-document token" in w for w in no_files.ignored_flag_warnings())
     with pytest.raises(ConfigError, match="end-of-document id; pass --tokenizer-type and its files"):
         parse_run_config([*common, "--data-path", "x", "--vocab-size", "9", "--reset-position-ids"])
+
+
+def test_null_tokenizer_data_with_appended_eods_trains_and_masks_them(tmp_path) -> None:
+    """Megatron's NullTokenizer: ``--vocab-size N`` is ids 0..N-1 plus the EOD id N, a vocabulary of N + 1, so a
+    dataset preprocessed with ``--append-eod`` fits the model and ``--eod-mask-loss`` finds its EODs."""
+    preprocess_data = tool("preprocess_data")
+    docs = [" ".join(str((7 * d + 3 * i) % 10) for i in range(2 + d % 5)) for d in range(30)]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "10"]
+    prefix = str(tmp_path / "ids")
+    argv = ["--input", str(tmp_path / "ids.jsonl"), "--output-prefix", prefix, *null, "--append-eod", "--no-progress"]
+    assert preprocess_data.main([*argv, "--workers", "1"]) == 0
+    prefix += "_text_document"
+    common = ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--num-layers", "1", "--hidden-size"]
+    common += ["32", "--num-attention-heads", "4", "--seq-length", "16", "--split", "1,0,0", "--eval-iters", "0"]
+    common += ["--data-path", prefix, "--data-cache-path", str(tmp_path / "cache")]
+    run = parse_run_config([*common, *null, "--eod-mask-loss", "--save", str(tmp_path / "ckpt")])
+    assert (run.model.vocab_size, run.data.vocab_size, run.padded_vocab_size) == (11, 10, 128)
+    summary = pretrain(run, stream=io.StringIO())
+    assert len(summary.losses) == 2 and all(np.isfinite(summary.losses))
+    train = build_gpt_datasets(prefix, split="1,0,0", seq_length=16, seed=1, num_samples=(4, 0, 0), vocab_size=11)[0]
+    batch = load_microbatch(document_masked(run, train), [0, 1, 2, 3], torch.device("cpu"))
+    eods = batch["tokens"] == 10
+    assert eods.sum() >= 4 and torch.equal(batch["loss_mask"] == 0, eods)
+    # --use-checkpoint-args brings the tokenizer with its --vocab-size back: the same 11-id model
+    resumed = parse_run_config([*common, "--load", str(tmp_path / "ckpt"), "--use-checkpoint-args"])
+    assert (resumed.data.tokenizer_type, resumed.model.vocab_size, resumed.data.vocab_size) == ("NullTokenizer", 11, 10)
+    # no tokenizer: --vocab-size is the model's vocabulary as before, and the EOD id 10 does not fit it
+    with pytest.raises(ConfigError, match="holds token id 10 but the tokenizer's vocab size is 10"):
+        pretrain(parse_run_config([*common, "--vocab-size", "10"]), stream=io.StringIO())
 
 
 M, B, S = 3, 2, 6

@@ -21,8 +21,8 @@ BASE = ["--model-config", "gpt-tiny", "--train-iters", "3", "--lr", "1e-3", "--m
 # extra flags -> the one warning they must give
 PAIRS = {
     "tokenizer-with-mock": (
-        ["--tokenizer-type", "NullTokenizer"],
-        "--tokenizer-type NullTokenizer",
+        ["--tokenizer-type", "SentencePieceTokenizer"],
+        "--tokenizer-type SentencePieceTokenizer",
         "--mock-data",
     ),
     "vocab-file-with-mock": (["--vocab-file", "v.json"], "--vocab-file v.json", "--mock-data"),
@@ -65,6 +65,7 @@ def test_flags_used_as_meant_warn_about_nothing() -> None:
         ["--optimizer", "sgd", "--sgd-momentum", "0.5"],
         ["--adam-beta1", "0.8"],
         ["--eval-iters", "2", "--eval-interval", "5"],
+        ["--tokenizer-type", "NullTokenizer", "--vocab-size", "64"],  # its EOD id joins the mock vocabulary
     ]
     for extra in quiet:
         assert parse_run_config([*BASE, *extra]).ignored_flag_warnings() == [], extra

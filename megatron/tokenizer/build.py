@@ -43,6 +43,16 @@ class TokenizerConfig:
             raise ValueError(f"--tokenizer-type {self.tokenizer_type} needs {' and '.join(missing)}")
 
 
+def model_vocab_size(tokenizer_type: str | None, vocab_size: int) -> int:
+    """The model's vocabulary for `--vocab-size N`: NullTokenizer's own (N ids plus its end-of-document id N, as
+    Megatron), else N (no tokenizer is built: mock data, or a vocabulary given outright)."""
+    if tokenizer_type == "NullTokenizer":
+        from megatron.tokenizer.simple_tokenizers import NullTokenizer
+
+        return NullTokenizer(vocab_size).vocab_size
+    return vocab_size
+
+
 def build_tokenizer(config: Any, *, backend: str = "auto") -> MegatronTokenizer:
     """Build the tokenizer that `config` describes (raises ValueError naming the missing/bad flag)."""
     if not isinstance(config, TokenizerConfig):
