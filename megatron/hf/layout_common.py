@@ -9,6 +9,7 @@ a reshape, never a permutation of heads.  Our rotary embedding rotates halves (d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,3 +74,14 @@ def hf_int(hf: dict[str, Any], key: str, default: Any = None) -> int:
     if value is None:
         raise ConfigError(f"config.json has no {key!r}; it is not a complete model config")
     return int(value)
+
+
+def tensor_getter(tensors: dict[str, torch.Tensor]) -> Callable[[str], torch.Tensor]:
+    """``get(name)``: the Hugging Face tensor ``name``; ``ConfigError`` when the weights lack it."""
+
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ConfigError(f"the model's weights have no {name!r}; they do not match its config.json")
+        return tensors[name]
+
+    return get

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from megatron.config.errors import ConfigError
-from megatron.hf.layout_common import COMMON_FIELDS, fuse_qkv, hf_int, require_value, split_qkv
+from megatron.hf.layout_common import COMMON_FIELDS, fuse_qkv, hf_int, require_value, split_qkv, tensor_getter
 from megatron.model.config import GPTConfig
 
 MODEL_TYPE = "llama"
@@ -150,11 +150,7 @@ def gpt_config(hf: dict[str, Any], *, seq_length: int | None) -> GPTConfig:
 
 def from_hf(tensors: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """Hugging Face tensors -> our full state dict (vocabulary unpadded)."""
-
-    def get(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ConfigError(f"the model's weights have no {name!r}; they do not match its config.json")
-        return tensors[name]
+    get = tensor_getter(tensors)
 
     out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight")}
     out["final_layernorm.weight"] = get("model.norm.weight")

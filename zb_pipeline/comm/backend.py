@@ -16,7 +16,21 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["DistError", "ProcessGroup", "current", "is_available", "use"]
+__all__ = ["COLLECTIVE_CALLS", "DistError", "ProcessGroup", "current", "is_available", "use"]
+
+# the backend's tensor collectives (names of torch.distributed functions), for wrappers that inspect calls in tests
+COLLECTIVE_CALLS = frozenset(
+    {
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "broadcast",
+        "reduce",
+    }
+)
 
 ProcessGroup = dist.ProcessGroup
 DistError = dist.DistError

@@ -30,27 +30,12 @@ from typing import Any
 import torch
 
 from zb_pipeline import comm
+from zb_pipeline.comm.backend import COLLECTIVE_CALLS
 
 __all__ = ["DeviceCheckingBackend", "ExplicitDeviceMode", "HostRead", "package_dirs"]
 
 # torch.distributed functions whose tensor arguments the wrapper checks (the rest pass straight through).
-_TENSOR_CALLS = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_single",
-        "reduce_scatter_tensor",
-        "reduce_scatter_single",
-        "broadcast",
-        "reduce",
-        "all_to_all_single",
-        "isend",
-        "irecv",
-        "send",
-        "recv",
-    }
-)
+_TENSOR_CALLS = COLLECTIVE_CALLS | {"all_to_all_single", "isend", "irecv", "send", "recv"}
 
 
 class DeviceCheckingBackend:

@@ -16,20 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zb_pipeline.comm.backend import COLLECTIVE_CALLS
+
 __all__ = ["CommEvent", "OpRecorder"]
 
-_COLLECTIVES = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_single",
-        "reduce_scatter_tensor",
-        "reduce_scatter_single",
-        "broadcast",
-        "reduce",
-    }
-)
+_COLLECTIVES = COLLECTIVE_CALLS
 _ALWAYS_BLOCKING = frozenset({"send", "recv", "barrier", "all_gather_object", "broadcast_object_list"})
 _ASYNC_P2P = frozenset({"isend", "irecv"})
 
