@@ -40,7 +40,8 @@ from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
-from megatron.pipeline.layer_split import auto_layer_split, wants_auto_split
+from megatron.model.cost_model import recompute_options
+from megatron.pipeline.layer_split import auto_layer_split, memory_limit_bytes, wants_auto_split
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 from megatron.tokenizer.build import model_vocab_size
@@ -227,6 +228,7 @@ def _parallel_config(v: dict[str, Any]) -> ParallelConfig:
         decoder_last_pipeline_num_layers=v["decoder_last_pipeline_num_layers"],
         allow_padding_num_layers=v["allow_padding_num_layers"],
         layer_split=v["pipeline_layer_split"],
+        memory_limit_gb=v["pipeline_memory_limit_gb"],
         distributed_timeout_s=timeout_s,
     )
 
@@ -417,6 +419,11 @@ def _recompute_config(
 ) -> RecomputeConfig:
     """The ``--recompute-*`` flags, checked against tp, sequence parallelism and every (virtual) stage's layers."""
     recompute = RecomputeConfig.from_flags(v)
+    require(
+        not recompute.auto or (layout is not None and _auto_split(parallel)),
+        "--recompute-granularity auto is the stage planner's choice: it needs --pipeline-layer-split auto "
+        "(pp > 1, no --decoder-first/last-pipeline-num-layers); or give full or selective",
+    )
     stage_layers = (model.num_layers,) if layout is None else tuple(len(r) for r in layout.layer_ranges)
     recompute.check(
         tp=parallel.tp_size,
@@ -437,6 +444,7 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
         or not run.model.vocab_size
     ):
         return run
+    bytes_per_element = 2 if run.precision.name in ("bf16", "fp16") else 4
     layout = auto_layer_split(
         layout,
         run.model,
@@ -445,9 +453,19 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
         padded_vocab_size=run.padded_vocab_size,
         micro_batch_size=run.training.micro_batch_size,
         num_microbatches=run.num_microbatches,
-        bytes_per_element=2 if run.precision.name in ("bf16", "fp16") else 4,
+        bytes_per_element=bytes_per_element,
+        recompute=recompute_options(
+            run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element
+        )
+        if run.recompute.auto
+        else (),
+        mem_limit=memory_limit_bytes(run.parallel),
     )
-    return dataclasses.replace(run, pipeline_layout=layout)
+    recompute = run.recompute
+    if recompute.auto:  # --recompute-granularity auto: the planner's choice per virtual stage
+        chosen = zip(layout.layer_ranges, layout.split_plan.recompute, strict=True)
+        recompute = dataclasses.replace(recompute, stages=tuple((r.start, r.stop, c) for r, c in chosen))
+    return dataclasses.replace(run, pipeline_layout=layout, recompute=recompute)
 
 
 def _auto_split(parallel: ParallelConfig) -> bool:

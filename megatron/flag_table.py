@@ -374,6 +374,14 @@ def _parallel_flags(t: FlagTable) -> None:
         help="layers per stage: Megatron's even split, or auto (the stage planner balances the embedding and the "
         "output head; --decoder-first/last-pipeline-num-layers win when given)",
     )
+    t.add(
+        g,
+        "--pipeline-memory-limit-gb",
+        type=fl,
+        default=None,
+        help="with --pipeline-layer-split auto: each rank's activation memory (GiB, analytic model) the planned split "
+        "and --recompute-granularity auto's choice must fit",
+    )
     t.add(g, "--allow-padding-num-layers", switch=True, help="allow stages with fewer layers when they do not split")
     t.add(g, "--distributed-timeout-minutes", type=fl, default=10.0, help="timeout of every collective")
     t.add(
@@ -510,7 +518,8 @@ def _recompute_flags(t: FlagTable) -> None:
         "--recompute-granularity",
         default=None,
         choices=RECOMPUTE_GRANULARITIES,
-        help="full: whole layers (see --recompute-method, --recompute-num-layers); selective: the core attention",
+        help="full: whole layers (see --recompute-method, --recompute-num-layers); selective: the core attention; "
+        "auto: the stage planner's choice per stage (with --pipeline-layer-split auto)",
     )
     t.add(
         g,

@@ -177,6 +177,21 @@ BAD_INPUT = {
         "contradicts --enable-zero-bubble",
     ),
     "no-data": (["--model-config", "gpt-tiny", "--train-iters", "3", "--lr", "1e-3"], 1, "--mock-data"),
+    "memory-limit": (
+        [
+            *TINY,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--pipeline-layer-split",
+            "auto",
+            "--recompute-granularity",
+            "auto",
+            "--pipeline-memory-limit-gb",
+            "1e-6",
+        ],
+        2,
+        "the smallest limit that works is",
+    ),  # fmt: skip
 }
 
 # Runs pretrain_gpt.main for every case in a forked child (a real process: its own exit code and stderr), after

@@ -58,6 +58,7 @@ SMALL_ENV = {"TRAIN_ITERS": "2", "PYTEST_ARGS": "tests/test_ir.py", "ZB_DOC_TEST
 # reference walk-throughs each start 2-4 torchrun ranks or several processes in a row (seconds measured on the shared
 # 2-core machine).
 SLOW: dict[tuple[str, str], str] = {
+    ("docs/planner.md", "--recompute-granularity auto"): "a 2-rank run, the planner's recompute choice (~15 s)",
     ("docs/checkpoints.md", "checkpoint_convert"): "two tp=2 trainings, a conversion, a third training (~45 s)",
     ("docs/pipeline-runtime.md", "--emulate-compute"): "4 ranks with emulated compute, then the trace (~25 s)",
     ("docs/pipeline-runtime.md", "zb_profile.json"): "a 2-rank run with a profiling window and re-planning (~20 s)",

@@ -74,6 +74,13 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=1800.0,
     ),
     Benchmark(
+        "recompute",
+        "tools/bench_recompute.py",
+        "activation recomputation (none / selective / full) with every schedule: tokens/s, peak activation memory, "
+        "recompute's time per layer; real compute, pp = 2",
+        timeout_s=1800.0,
+    ),
+    Benchmark(
         "gpu_check",
         "tools/gpu_check.py",
         "one stage's F, B, W on CUDA (bf16): time, MFU, split cost",

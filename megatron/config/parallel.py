@@ -23,6 +23,7 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     allow_padding_num_layers: bool = False
     layer_split: str = "even"  # "even" (Megatron's) or "auto" (the stage planner: megatron.pipeline.layer_split)
+    memory_limit_gb: float | None = None  # the stage planner's activation-memory limit per rank, GiB (None: none)
     distributed_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
@@ -40,6 +41,12 @@ class ParallelConfig:
             self.layer_split == "even" or self.pp_size > 1,
             f"--pipeline-layer-split auto needs --pipeline-model-parallel-size > 1 (got {self.pp_size})",
         )
+        if self.memory_limit_gb is not None:
+            require(self.memory_limit_gb > 0, f"--pipeline-memory-limit-gb={self.memory_limit_gb:g} must be > 0")
+            require(
+                self.layer_split == "auto",
+                "--pipeline-memory-limit-gb is the stage planner's limit: it needs --pipeline-layer-split auto",
+            )
         for flag, value in (
             ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
             ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),

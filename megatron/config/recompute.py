@@ -6,6 +6,9 @@
 * ``method`` (full only): ``"uniform"`` splits each stage's layers into runs of ``num_layers`` and recomputes every
   run (F keeps one input per run); ``"block"`` recomputes the first ``num_layers`` layers of each stage, one by one,
   and keeps the rest's activations.  As in Megatron, "stage" means a virtual pipeline stage.
+* ``"auto"`` (our extension, with ``--pipeline-layer-split auto``): the stage planner chooses none, selective or full
+  (uniform, 1 layer) per virtual stage within ``--pipeline-memory-limit-gb``; ``stages`` holds its answer, one
+  ``(first layer, stop layer, choice)`` per virtual stage (``megatron.pipeline.layer_split``).
 * ``distribute_saved_activations`` (full, tp > 1, not with sequence parallelism): each tensor-parallel rank keeps only
   its ``1/tp`` slice of a recomputed run's input and all-gathers it at B.
 
@@ -21,7 +24,8 @@ from typing import Any
 
 from megatron.config.errors import require
 
-RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_GRANULARITIES = ("full", "selective", "auto")
+AUTO_CHOICES = ("none", "selective", "full")  # what auto chooses among, per virtual stage
 RECOMPUTE_METHODS = ("uniform", "block")
 
 
@@ -31,10 +35,13 @@ class RecomputeConfig:
     method: str | None = None
     num_layers: int | None = None
     distribute_saved_activations: bool = False
+    stages: tuple[tuple[int, int, str], ...] = ()  # auto: (start, stop, choice) per virtual stage, once planned
 
     def __post_init__(self) -> None:
         g, m, n = self.granularity, self.method, self.num_layers
-        require(g is None or g in RECOMPUTE_GRANULARITIES, f"--recompute-granularity={g!r} must be full or selective")
+        require(
+            g is None or g in RECOMPUTE_GRANULARITIES, f"--recompute-granularity={g!r} must be full, selective or auto"
+        )
         require(m is None or m in RECOMPUTE_METHODS, f"--recompute-method={m!r} must be uniform or block")
         if g == "full":
             require(
@@ -47,6 +54,10 @@ class RecomputeConfig:
                 f"--recompute-method/--recompute-num-layers apply to --recompute-granularity full, not {g or 'none'}; "
                 "drop them or use full granularity",
             )
+        require(
+            not self.stages or (g == "auto" and all(c in AUTO_CHOICES for _, _, c in self.stages)),
+            f"per-stage recompute choices {self.stages} need --recompute-granularity auto and one of {AUTO_CHOICES}",
+        )
         require(n is None or n >= 1, f"--recompute-num-layers={n} must be >= 1")
         require(
             not self.distribute_saved_activations or g == "full",
@@ -65,11 +76,32 @@ class RecomputeConfig:
     def selective(self) -> bool:
         return self.granularity == "selective"
 
+    @property
+    def auto(self) -> bool:
+        return self.granularity == "auto"
+
+    def for_stage(self, layer_range: range) -> RecomputeConfig:
+        """The concrete recompute of the virtual stage holding ``layer_range``: itself unless auto, else the
+        planner's choice for that stage (``ValueError`` if the plan has no stage of those layers)."""
+        if not self.auto:
+            return self
+        for start, stop, choice in self.stages:
+            if (start, stop) == (layer_range.start, layer_range.stop):
+                if choice == "full":
+                    return RecomputeConfig(granularity="full", method="uniform", num_layers=1)
+                return RecomputeConfig(granularity=None if choice == "none" else choice)
+        raise ValueError(
+            f"--recompute-granularity auto has no choice for layers [{layer_range.start}, {layer_range.stop}) "
+            f"(planned stages: {[(a, b) for a, b, _ in self.stages]})"
+        )
+
     def summary(self) -> dict[str, str]:
         """The start-up summary's line (none when recomputation is off)."""
         if not self.enabled:
             return {}
-        if self.selective:
+        if self.auto:
+            what = "auto per stage: " + (", ".join(c for _, _, c in self.stages) or "not planned yet")
+        elif self.selective:
             what = "selective (core attention)"
         else:
             what = f"full, {self.method}, {self.num_layers} layer(s)"

@@ -62,6 +62,52 @@ def head_activation_bytes_per_token(config: GPTConfig, padded_vocab_size: int, b
     return config.hidden_size * bytes_per_element + 4.0 * padded_vocab_size
 
 
+def layer_input_bytes_per_token(config: GPTConfig, bytes_per_element: int) -> float:
+    """What F keeps of a layer under full recompute, per token: its input (B re-runs the layer from it)."""
+    return config.hidden_size * bytes_per_element
+
+
+def attention_core_saved_bytes_per_token(config: GPTConfig, bytes_per_element: int) -> float:
+    """What the core attention keeps for its backward without recompute, per token: the rotated query, the key and
+    value (for grouped-query attention, their groups) and its output (the fused attention keeps no scores)."""
+    q = config.num_attention_heads * config.kv_channels
+    kv = 2 * config.num_query_groups * config.kv_channels
+    return (2 * q + kv) * bytes_per_element
+
+
+def qkv_projection_bytes_per_token(config: GPTConfig, bytes_per_element: int) -> float:
+    """What selective recompute keeps instead of the core attention's tensors, per token: the QKV projection."""
+    q = config.num_attention_heads * config.kv_channels
+    kv = 2 * config.num_query_groups * config.kv_channels
+    return (q + kv) * bytes_per_element
+
+
+def recompute_options(
+    config: GPTConfig, *, micro_batch_size: int, bytes_per_element: int
+) -> tuple[RecomputeOption, ...]:
+    """``--recompute-granularity auto``'s choices for one layer and microbatch: selective re-runs the core attention
+    in B and keeps the QKV projection instead of the core's tensors; full re-runs the whole layer's forward and
+    keeps its input.  After B a pending W holds its GEMMs' operands whatever the choice, modelled as the layer's
+    activations without recompute (``mem_f + mem_b`` is the same for every option)."""
+    tokens = config.seq_length * micro_batch_size
+    scale = tokens / GFLOP
+    held = layer_activation_bytes_per_token(config, bytes_per_element) * tokens
+    core = attention_core_flops_per_token(config)
+    selective = (
+        held
+        - (
+            attention_core_saved_bytes_per_token(config, bytes_per_element)
+            - qkv_projection_bytes_per_token(config, bytes_per_element)
+        )
+        * tokens
+    )
+    full = layer_input_bytes_per_token(config, bytes_per_element) * tokens
+    return (
+        RecomputeOption("selective", b_extra=core * scale, mem_f=selective, mem_b=held - selective),
+        RecomputeOption("full", b_extra=layer_forward_flops_per_token(config) * scale, mem_f=full, mem_b=held - full),
+    )
+
+
 def model_costs(
     config: GPTConfig,
     *,

@@ -1,8 +1,9 @@
 """Activation recomputation applied to built GPT stages from outside (``--recompute-*``; ``docs/recompute.md``).
 
 ``apply_recompute(model, config, tp)`` sets, on every ``GPTStage`` in ``model``, the runs of layers recomputed at
-backward (``RecomputeConfig.segments``: full granularity) and, on every ``SelfAttention``, whether its core attention
-is (selective granularity).  The model code then wraps those units in ``zb_pipeline.runtime.recompute.recompute``,
+backward (``RecomputeConfig.segments``: full granularity) and, on every ``SelfAttention`` of a stage, whether its core
+attention is (selective granularity); with ``--recompute-granularity auto`` each stage takes the planner's choice
+(``RecomputeConfig.for_stage``).  The model code then wraps those units in ``zb_pipeline.runtime.recompute.recompute``,
 which replays the RNG state, recomputes once in B and leaves the weight-gradient GEMMs deferred to W.
 
 ``--distribute-saved-activations``: a recomputed run keeps only this tensor-parallel rank's slice of its (flattened)
@@ -46,12 +47,13 @@ def apply_recompute(model: torch.nn.Module, config: RecomputeConfig, tp: HasTens
     if config.distribute_saved_activations and tp is not None and tp.tp_size > 1:
         codec = TPSlice(tp)
         options = {"pack": codec.pack, "unpack": codec.unpack}
-    for module in model.modules():
-        if isinstance(module, GPTStage):
-            module.recompute_segments = config.segments(len(module.layers))
-            module.recompute_options = options
-            marked += len(module.recompute_segments)
-        elif isinstance(module, SelfAttention):
-            module.recompute_core = config.selective
-            marked += int(config.selective)
+    for stage in (m for m in model.modules() if isinstance(m, GPTStage)):
+        mine = config.for_stage(stage.layer_range)  # --recompute-granularity auto: the planner's choice here
+        stage.recompute_segments = mine.segments(len(stage.layers))
+        stage.recompute_options = options
+        marked += len(stage.recompute_segments)
+        for module in stage.modules():
+            if isinstance(module, SelfAttention):
+                module.recompute_core = mine.selective
+                marked += int(mine.selective)
     return marked

@@ -6,18 +6,28 @@ shortest simulated iteration; ``PipelineLayout`` then carries its layer ranges, 
 context and the checkpoint all read one answer.  Explicit ``--decoder-first/last-pipeline-num-layers`` win (the
 split stays ``"explicit"``).  The vocabulary must be known (the head's cost is vocabulary-wide): with real data and
 no ``--vocab-size`` the split is planned once the tokenizer is built (``training_setup.resolve_vocab``), before any
-stage is built (``megatron.arguments.apply_layer_split``).  ``recompute`` is the hook for activation
-recomputation's per-layer effect (none passed yet: ``--recompute-granularity auto`` belongs with recompute).
+stage is built (``megatron.arguments.apply_layer_split``).  ``recompute``: the options each stage may take
+(``--recompute-granularity auto``: ``cost_model.recompute_options``); ``mem_limit``: each rank's activation bytes
+(``--pipeline-memory-limit-gb``) the plan must fit.
 """
 
 from __future__ import annotations
+
+import math
 
 from megatron.config.errors import ConfigError, require
 from megatron.config.parallel import ParallelConfig
 from megatron.model.config import GPTConfig
 from megatron.model.cost_model import model_costs
 from megatron.pipeline.layout import PipelineLayout
-from zb_pipeline.schedule.stage_planner import RecomputeOption, StagePlan, evaluate_split, even_split, plan_stages
+from zb_pipeline.schedule.stage_planner import (
+    PlannerError,
+    RecomputeOption,
+    StagePlan,
+    evaluate_split,
+    even_split,
+    plan_stages,
+)
 
 
 def auto_layer_split(
@@ -31,9 +41,10 @@ def auto_layer_split(
     num_microbatches: int,
     bytes_per_element: int,
     recompute: tuple[RecomputeOption, ...] = (),
+    mem_limit: float | None = None,
 ) -> PipelineLayout:
     """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
-    ``recompute``: the options a stage may take (the hook for ``--recompute-granularity auto``; none yet)."""
+    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank."""
     if schedule_file is not None:
         raise ConfigError(
             "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
@@ -49,12 +60,36 @@ def auto_layer_split(
         schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
     try:
-        plan: StagePlan = plan_stages(costs, **shape)
+        plan: StagePlan = plan_stages(costs, **shape, mem_limit=mem_limit)
+    except PlannerError as err:
+        if err.smallest is None:
+            raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
+        what = "layer split or recompute choice" if recompute else "layer split"
+        hint = "" if recompute else "; or let stages recompute: --recompute-granularity auto"
+        raise ConfigError(
+            f"--pipeline-memory-limit-gb {mem_limit / GIB:g}: no {what} fits it with {schedule} by the analytic "
+            f"model; the smallest limit that works is {_ceil_gib(err.smallest)} GiB{hint}"
+        ) from None
     except ValueError as err:
         raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
     even = even_split(costs.num_layers, layout.schedule.num_stages)
     even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
     return layout.with_split(plan.layers, split="auto", plan=plan, even=even_time)
+
+
+GIB = 2**30
+
+
+def _ceil_gib(nbytes: float) -> str:
+    """``nbytes`` in GiB, rounded up at 6 significant digits (so the value named works as a limit)."""
+    gib = nbytes / GIB
+    digits = 5 - math.floor(math.log10(gib)) if gib > 0 else 0
+    return f"{math.ceil(gib * 10**digits) / 10**digits:g}"
+
+
+def memory_limit_bytes(parallel: ParallelConfig) -> float | None:
+    """``--pipeline-memory-limit-gb`` in bytes per rank (None: no limit)."""
+    return None if parallel.memory_limit_gb is None else parallel.memory_limit_gb * GIB
 
 
 def wants_auto_split(layout: PipelineLayout | None, parallel: ParallelConfig, virtual_stage_layers: int | None) -> bool:

@@ -49,7 +49,11 @@ DEFAULT_PLAN_EVALUATIONS = 200  # candidates of a cost-dependent schedule (each 
 
 
 class PlannerError(ValueError):
-    """No candidate fits: the message names the smallest memory limit that works."""
+    """No candidate fits: the message names the smallest memory limit that works (``smallest``, when known)."""
+
+    def __init__(self, message: str, *, smallest: float | None = None) -> None:
+        super().__init__(message)
+        self.smallest = smallest
 
 
 @dataclass(frozen=True)
@@ -383,7 +387,8 @@ def plan_stages(
         raise PlannerError(
             f"no layer split{' or recompute choice' if model.recompute else ''} of {model.num_layers} layers fits "
             f"the memory limit {mem_limit:g} per rank with {schedule} (p={p}, m={m}); the smallest limit that works "
-            f"is {smallest:g}"
+            f"is {smallest:g}",
+            smallest=smallest,
         )
     layers, opts, end, peak, plan, costs = best
     names = model.option_names()

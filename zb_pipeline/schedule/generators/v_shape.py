@@ -37,8 +37,10 @@ microbatches; warm-up and cool-down do not depend on m beyond that), then only t
 Hand-offs: lowering posts every receive when its data is produced, i.e. in the sender's order, so a rank may
 consume its peers' hand-offs in any order; ``check_and_lower`` checks the strict one-order-per-pair model on the result.
 
-A ``mem_limit`` lowers the cap; one below a single microbatch's footprint is rejected with the smallest limit that
-works.  Measured results (the issue's table, the uniform-cost bound, generation times) are in docs/schedules.md.
+A ``mem_limit`` lowers the cap to the limit minus the rank's largest B transient (recomputation: what a B holds
+while it rebuilds a unit), so the predicted peak stays within the limit; one below a single microbatch's footprint
+plus that transient is rejected with the smallest limit that works.  Measured results (the issue's table, the
+uniform-cost bound, generation times) are in docs/schedules.md.
 """
 
 from __future__ import annotations
@@ -111,28 +113,47 @@ def _probe_m(p: int) -> int:
 def rank_caps(
     name: str, p: int, costs: StageCosts, mem_limit: float | None, *, units: int | None = None
 ) -> list[float]:
-    """Per-rank memory cap of V schedule ``name`` (in the units of the mem deltas), ``mem_limit`` applied;
-    ``units`` overrides ``cap_units(name, p)``."""
+    """Per-rank cap on the resident memory of V schedule ``name`` (in the units of the mem deltas), ``mem_limit``
+    applied; ``units`` overrides ``cap_units(name, p)``.  A B that recomputes holds its stage's
+    ``mem_b_transient`` above the resident sum while it runs, so under ``mem_limit`` the cap is the limit minus the
+    rank's largest transient (as zb-auto's): the peak, transient included (``memory.running_memory``), fits the
+    limit.  Without a limit the cap is the paper's, in microbatches of the activation measured with the
+    recomputation in force, so it keeps its ratio to 1F1B with the same recomputation."""
     S = 2 * p
     place = v_placement(p, 2)
     units = cap_units(name, p) if units is None else units
+    mems = (costs.mem_f, costs.mem_b, costs.mem_w)
+
+    def need_of(q: int) -> tuple[float, float]:
+        """(one microbatch through both chunks of rank q, the largest B transient of its stages)."""
+        stages = [s for s in range(S) if place[s] == q]
+        return sum(max(0.0, d[s]) for s in stages for d in mems), max(costs.mem_b_transient[s] for s in stages)
+
     caps = []
     for r in range(p):
-        stages = [s for s in range(S) if place[s] == r]
-        whole = sum(costs.mem_f[s] for s in stages)
-        need = sum(max(0.0, d[s]) for s in stages for d in (costs.mem_f, costs.mem_b, costs.mem_w))
+        whole = sum(costs.mem_f[s] for s in range(S) if place[s] == r)
+        need, transient = need_of(r)
         cap = max(units * whole / 2.0, need)
         if mem_limit is not None:
-            if mem_limit + _EPS < need:
-                mems = (costs.mem_f, costs.mem_b, costs.mem_w)
-                smallest = max(sum(max(0.0, d[s]) for s in range(S) if place[s] == q for d in mems) for q in range(p))
+            if mem_limit + _EPS < need + transient:
+                smallest = max(sum(need_of(q)) for q in range(p))
+                held = f"{need:g}" + (f" plus a B's recompute transient {transient:g}" if transient else "")
                 raise ValueError(
                     f"mem_limit={mem_limit:g} is below what {name} needs on rank {r} (one microbatch through both "
-                    f"chunks: {need:g}); the smallest limit that works is {smallest:g}"
+                    f"chunks: {held}); the smallest limit that works is {smallest:g}"
                 )
-            cap = min(cap, mem_limit)
+            cap = min(cap, mem_limit - transient)
         caps.append(cap)
     return caps
+
+
+def peak_caps(p: int, costs: StageCosts, caps: list[float]) -> list[float]:
+    """Caps on the peak *with* the B transient (what ``memory.order_peak`` counts, used by the template and the
+    polish) from caps on the resident memory (what the list, alternating and block passes count): each rank's cap
+    plus its largest transient, the limit again under ``mem_limit``."""
+    place = v_placement(p, 2)
+    t = costs.mem_b_transient
+    return [cap + max(t[s] for s in range(2 * p) if place[s] == r) for r, cap in enumerate(caps)]
 
 
 def _timed(name: str, p: int, m: int, costs: StageCosts, ranks: list[list[Action]]) -> tuple[float, Schedule]:
@@ -148,11 +169,11 @@ def _legacy_variants(name: str, p: int, m: int, costs: StageCosts, caps: list[fl
         ranks = plan_list_schedule(place, m, costs, caps, policy)
         if ranks is not None:
             out.append(_timed(name, p, m, costs, ranks))
-    for ranks in template_plans(p, m, costs, caps):
+    for ranks in template_plans(p, m, costs, peak_caps(p, costs, caps)):
         out.append(_timed(name, p, m, costs, ranks))
     if name != "zb-v" and 6 * p * m <= _POLISH_MAX_ACTIONS:
         best = min(out, key=lambda c: c[0])[1]
-        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // (6 * p * m))
+        polished = polish_orders(best, costs, peak_caps(p, costs, caps), budget=_POLISH_WORK // (6 * p * m))
         out.append((simulate(polished, costs).makespan, polished))
     return out
 
@@ -205,11 +226,11 @@ def _candidates(
         for span, sched in _legacy_variants(name, p, m, costs, [min(a, b) for a, b in zip(caps, legacy)]):
             add_plan(span, sched)
     if small and name != "zb-v":  # the earlier template under the new caps (beyond: the block search does better)
-        for ranks in template_plans(p, m, costs, caps):
+        for ranks in template_plans(p, m, costs, peak_caps(p, costs, caps)):
             add_codes(to_codes(ranks, m))
     if name != "zb-v" and n <= _POLISH_MAX_ACTIONS:
         best = min(out, key=lambda c: c[0])[1]()
-        polished = polish_orders(best, costs, caps, budget=_POLISH_WORK // n)
+        polished = polish_orders(best, costs, peak_caps(p, costs, caps), budget=_POLISH_WORK // n)
         add_plan(simulate(polished, costs).makespan, polished)
     return out
 
