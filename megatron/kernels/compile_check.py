@@ -52,18 +52,40 @@ KERNELS: list[tuple[str, str, dict[str, Any], str]] = [
     ("norms", "norm_input_grad_kernel", {**_NORM_DX, "RMS": True}, "RMSNorm input grad (B)"),
     ("norms", "norm_weight_grad_kernel", {**_NORM_DW, "RMS": False, "HAS_BIAS": True}, "LayerNorm weight grad"),
     ("norms", "norm_weight_grad_kernel", {**_NORM_DW, "RMS": True, "HAS_BIAS": False}, "RMSNorm weight grad"),
-    ("activations", "bias_act_kernel", {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": False}, "bias-GeLU"),
     (
         "activations",
         "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": True},
+        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": False, "TANH": False},
+        "bias-GeLU",
+    ),
+    (
+        "activations",
+        "bias_act_kernel",
+        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": True, "TANH": False},
         "bias-GeLU backward",
     ),  # fmt: skip
-    ("activations", "bias_act_kernel", {**_ACT, "HAS_BIAS": False, "SWIGLU": True, "BACKWARD": False}, "SwiGLU"),
     (
         "activations",
         "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": False, "SWIGLU": True, "BACKWARD": True},
+        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": False, "TANH": True},
+        "bias-GeLU (tanh, --openai-gelu)",
+    ),  # fmt: skip
+    (
+        "activations",
+        "bias_act_kernel",
+        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": True, "TANH": True},
+        "bias-GeLU (tanh) backward",
+    ),  # fmt: skip
+    (
+        "activations",
+        "bias_act_kernel",
+        {**_ACT, "HAS_BIAS": False, "SWIGLU": True, "BACKWARD": False, "TANH": False},
+        "SwiGLU",
+    ),
+    (
+        "activations",
+        "bias_act_kernel",
+        {**_ACT, "HAS_BIAS": False, "SWIGLU": True, "BACKWARD": True, "TANH": False},
         "SwiGLU backward",
     ),  # fmt: skip
     (
