@@ -121,8 +121,12 @@ def _vocab_embedding_forward(self, ids: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, self.weight)
 
 
-def _position_forward(self, seq_len: int) -> torch.Tensor:
-    return F.embedding(torch.arange(seq_len, device=self.weight.device), self.weight).unsqueeze(1)
+def _position_forward(
+    self, seq_len: int, position_ids: torch.Tensor | None = None, offset: int = 0
+) -> torch.Tensor:  # PositionEmbedding.forward's signature
+    if position_ids is not None:
+        return F.embedding(position_ids.t(), self.weight)
+    return F.embedding(torch.arange(offset, offset + seq_len, device=self.weight.device), self.weight).unsqueeze(1)
 
 
 def use_autograd_linears(module: torch.nn.Module) -> int:
