@@ -30,13 +30,15 @@ import torch
 
 from megatron.arguments import RunConfig
 from megatron.checkpoint_files import check_writable
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing import checkpoint_layer_split, load_checkpoint, save_checkpoint
 from megatron.config.errors import ConfigError
 from megatron.evaluation import evaluate
 from megatron.garbage_collection import ManualGC
 from megatron.parallel.context import ParallelContext
 from megatron.peer_failure import PeerFailedRunError, peer_failure_line, stage_labels
+from megatron.pipeline.layer_split import MeasuredSplit
 from megatron.pipeline.post_validated_step import SettledStep
+from megatron.pipeline.resplit import resplit
 from megatron.pipeline.trainer_hooks import (
     attach_replanner,
     context_layout,
@@ -83,6 +85,7 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None, scalar_sink: Any =
         check_writable(run.checkpoint.save)
     if run.checkpoint.load and not Path(run.checkpoint.load).is_dir():
         raise ConfigError(f"--load {run.checkpoint.load} does not exist; pass the directory you saved to with --save")
+    run = checkpoint_layer_split(run)  # --pipeline-layer-split auto resumes with the split the checkpoint recorded
     ctx = ParallelContext.initialize(
         tp=run.parallel.tp_size,
         pp=run.parallel.pp_size,
@@ -121,7 +124,9 @@ def _pretrain(
     window = ProfileWindow(run.profiling, rank=ctx.rank, log=logger.print)
     try:
         with signals:
-            summary = _train_loop(tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time)
+            summary, tr = _train_loop(
+                tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time
+            )
     finally:
         window.stop()
         if tr.train_loader is not None:  # --num-workers: its worker processes end with the loop
@@ -292,7 +297,8 @@ def _train_loop(
     *,
     profile: ProfileWindow,
     start_time: float,
-) -> TrainSummary:
+) -> tuple[TrainSummary, Trainer]:
+    """The iterations; returns the summary and the trainer they ended with (a re-split replaces it)."""
     run, t, ckpt = tr.run, tr.run.training, tr.run.checkpoint
     validation: list[tuple[int, float]] = []
     window = _LogWindow()
@@ -306,6 +312,7 @@ def _train_loop(
         profile.after_iteration(tr.iteration)
         if collector is not None:
             collector.after_iteration(tr.iteration)
+        tr = _resplit_if_decided(tr, logger)
         window.add(res, run.global_batch_size_at(tr.iteration - 1))
         if res.grad_stats is not None:
             last_grad_norm = res.grad_stats.norm
@@ -335,7 +342,24 @@ def _train_loop(
         logger.validation(tr.iteration, loss)
     tokens = (tr.consumed_train_samples - start_consumed) * run.model.seq_length
     tokens_per_s = tokens / wall if wall > 0 else 0.0
-    return _final_summary(tr, logger, validation, collector, tokens_per_s)
+    return _final_summary(tr, logger, validation, collector, tokens_per_s), tr
+
+
+def _resplit_if_decided(tr: Trainer, logger: TrainingLogger) -> Trainer:
+    """The profiling window's measured layer split, applied at this iteration boundary when it differs (every rank
+    holds the same decision: it is planned from the agreed profile)."""
+    decision = getattr(tr.replanner, "agreed", None)
+    if not isinstance(decision, MeasuredSplit):
+        return tr
+    old = tr.run.pipeline_layout.layers_per_stage
+    if tuple(decision.plan.layers) == old:
+        return tr
+    new_split = decision.plan.layers
+    new = resplit(tr, new_split, decision=decision)
+    logger.print(
+        f"re-split after iteration {new.iteration}: layers per stage {list(old)} -> {list(decision.plan.layers)}"
+    )
+    return new
 
 
 def _time_is_up(tr: Trainer, start_time: float) -> bool:
