@@ -88,6 +88,38 @@ def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -
     assert "layers per stage: [1, 3] (auto)" in resumed["log"]
 
 
+@pytest.mark.slow
+def test_resplit_with_the_distributed_optimizer_over_dp2() -> None:
+    """pp = 2 x dp = 2 with --use-distributed-optimizer: the optimizer shards are re-sharded for the new split's
+    buckets and the run continues bit for bit."""
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", "--use-distributed-optimizer", "--global-batch-size", "8"]
+    moved = _run([*argv, *AUTO], 4, split=(3, 1), at=2)
+    assert moved["before"] == (2, 2) and moved["after"] == (3, 1)
+    started = _run([*argv, "--decoder-first-pipeline-num-layers", "3"], 4)
+    assert moved["losses"] == started["losses"], (moved, started)
+
+
+@pytest.mark.slow
+def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
+    """The trainer's own path: the window times the parts (the saved profile has a ``parts`` entry the planner
+    reads), every rank plans the split from the agreed profile and, if it differs, moves the layers; either way the
+    losses are those of the run without a window, to the bit."""
+    from zb_pipeline.schedule.profile import Profile
+
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
+    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+    save = str(tmp_path / "ckpt")
+    got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
+    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
+    assert got[0]["losses"] == ref["losses"]
+    log = "".join(r["log"] for r in got)
+    assert "layer split from measured per-part costs" in log
+    parts = Profile.load(f"{save}/zb_profile.json").model_costs()
+    assert parts.num_layers == 4 and min(parts.layer.f, parts.layer.b, parts.head.f, parts.embedding.f) > 0
+    if "re-split after iteration 3" in log:
+        assert "layers per stage [2, 2] -> " in log
+
+
 def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
     import io
 
@@ -100,3 +132,46 @@ def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
     stream = io.StringIO()
     summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
     return {"losses": list(summary.losses), "log": stream.getvalue()}
+
+
+def test_parts_combine_measured_times_with_the_stage_profile() -> None:
+    """F and B of each part are the medians of every rank's samples; a stage's measured W and memory are shared among
+    its parts in the analytic model's proportions, so the parts add up to the stage again."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
+
+    analytic = ModelCosts(
+        num_layers=4,
+        layer=PartCosts(f=1.0, b=2.0, w=1.0, mem_f=10.0),
+        embedding=PartCosts(f=0.1, b=0.0, w=0.5, mem_f=1.0),
+        head=PartCosts(f=2.0, b=2.0, w=2.0, mem_f=30.0),
+    )
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(9.0, 9.0), w=(5.0, 8.0), bw=(None, None), comm=0.25,
+        mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2),
+    )  # fmt: skip
+    summaries = [
+        {"embedding": {"f": [0.3, 0.2, 9.0]}, "layer": {"f": [2.0, 2.1, 50.0], "b": [3.0, 3.0]}},
+        {"layer": {"f": [2.2], "b": [3.5, 4.0]}, "head": {"f": [4.0, 4.4, 4.2], "b": [5.0]}},
+    ]
+    parts = combine_parts(summaries, profile, analytic)
+    assert parts["layer"]["f"] == pytest.approx(2.15) and parts["layer"]["b"] == 3.25  # medians of the pooled samples
+    assert parts["embedding"]["f"] == 0.3 and parts["embedding"]["b"] == 0.0 and parts["head"]["b"] == 5.0
+    # stage 0 measured W 5 over analytic 0.5 + 2 * 1 = 2.5: x2; stage 1: 8 over 2 * 1 + 2 = 4: x2
+    assert parts["embedding"]["w"] == 1.0 and parts["layer"]["w"] == 2.0 and parts["head"]["w"] == 4.0
+    # memory: stage 0 42 over 21: x2; stage 1 100 over 50: x2
+    assert parts["embedding"]["mem_f"] == 2.0 and parts["layer"]["mem_f"] == 20.0 and parts["head"]["mem_f"] == 60.0
+    assert parts["comm"] == 0.25 and parts["num_layers"] == 4
+    assert _through_json(parts, profile)
+
+
+def _through_json(parts: dict, profile) -> bool:
+    """The entry is what ``Profile.model_costs`` reads, through the profile file's JSON."""
+    import dataclasses
+    import json
+
+    from zb_pipeline.schedule.profile import Profile
+
+    again = Profile.from_dict(json.loads(json.dumps(dataclasses.replace(profile, parts=parts).to_dict())))
+    return again.model_costs().head.w == 4.0

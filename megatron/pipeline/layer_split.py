@@ -73,18 +73,21 @@ def wants_auto_split(layout: PipelineLayout | None, parallel: ParallelConfig, vi
     return True
 
 
-def measured_layer_split(profile: Profile, layout: PipelineLayout, *, num_microbatches: int) -> MeasuredSplit:
+def measured_layer_split(
+    profile: Profile, layout: PipelineLayout, *, num_microbatches: int, mem_limit: float | None = None
+) -> MeasuredSplit:
     """The stage planner's split under ``profile``'s per-part costs (its ``parts`` entry), for the run's schedule
-    and shape, beside the current split's simulated iteration under the same costs.  Deterministic in ``profile``:
-    every rank that holds the agreed profile gets the same answer."""
+    and shape within ``mem_limit`` (bytes per rank, the window's), beside the current split's simulated iteration
+    under the same costs.  Deterministic in ``profile``: every rank that holds the agreed profile gets the same
+    answer.  ``ValueError`` when no split fits the limit."""
     costs = profile.model_costs()
     sched = layout.schedule
     shape = dict(
         schedule=sched.name, num_ranks=sched.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
-    plan = plan_stages(costs, **shape)
+    plan = plan_stages(costs, mem_limit=mem_limit, **shape)
     current = evaluate_split(costs, layout.layers_per_stage, **shape)[0]
-    return MeasuredSplit(plan=plan, current=layout.layers_per_stage, current_iteration=current)
+    return MeasuredSplit(plan=plan, current=layout.layers_per_stage, current_iteration=current, mem_limit=mem_limit)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class MeasuredSplit:
     plan: StagePlan
     current: tuple[int, ...]
     current_iteration: float
+    mem_limit: float | None = None  # bytes per rank the plan was chosen within (the window's memory limit)
 
     @property
     def changes(self) -> bool:

@@ -101,10 +101,10 @@ def resplit(tr: Trainer, layers_per_stage: Sequence[int], *, decision: MeasuredS
         setattr(new, name, getattr(tr, name))
     new.step_listeners = tr.step_listeners
     new.train_loader = tr.train_loader
-    new.replanner = tr.replanner
-    if plan is not None and registry.get(layout.schedule.name).uses_costs and new.pipeline is not None:
+    new.replanner = None  # its work is done; dropping it frees the old stages
+    if decision is not None and registry.get(layout.schedule.name).uses_costs and new.pipeline is not None:
         runtime = new.pipeline.runtime  # the measured costs' plan for the new split, as the window had chosen
-        runtime.switch_plan(runtime.plans.replanned(costs=plan.costs, mem_limit=None))
+        runtime.switch_plan(runtime.plans.replanned(costs=decision.plan.costs, mem_limit=decision.mem_limit))
     return new
 
 

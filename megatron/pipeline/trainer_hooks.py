@@ -191,8 +191,10 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     """The run's schedule re-planned from profiled costs: a ``WindowReplanner`` over
     ``--zero-bubble-pipeline-timers-start/end-iter``.
 
-    Returns ``None`` unless the run uses a schedule whose plan depends on the costs (``uses_costs`` in the
-    registry: zb-auto, zb-h2's W placement, the V schedules, interleaved-zb) with a profiling window.
+    Returns ``None`` unless the run has a profiling window and uses a schedule whose plan depends on the costs
+    (``uses_costs`` in the registry: zb-auto, zb-h2's W placement, the V schedules, interleaved-zb) or an auto layer
+    split (``--pipeline-layer-split auto``, any schedule): the window then also times the model's parts and every
+    rank re-decides the split from the agreed profile (``replanner.agreed``, applied by the training loop).
     The memory limit (``--zero-bubble-max-pending-backward``) applies to zb-auto; the others keep the bound they
     state.  Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
     adopt one plan).
@@ -247,13 +249,26 @@ def _measure_split(
         bytes_per_element=run.precision.params_dtype.itemsize,
     )
 
-    def parts(profile: Profile) -> dict[str, Any]:
-        out = timer.gather(profile, analytic, group=ctx.pp_group)
-        timer.detach()
-        return out
+    def parts(profile: Profile) -> dict[str, Any] | None:
+        try:  # every rank combines the same gathered samples, so all fail alike
+            return timer.gather(profile, analytic, group=ctx.pp_group)
+        except ValueError as err:
+            if ctx.rank == 0:
+                log(f"layer split kept: no per-part costs ({err})")
+            return None
+        finally:
+            timer.detach()
 
-    def decide(profile: Profile) -> MeasuredSplit:
-        decision = measured_layer_split(profile, layout, num_microbatches=run.num_microbatches)
+    def decide(profile: Profile) -> MeasuredSplit | None:
+        if profile.parts is None:
+            return None
+        limit = replanner.replan.mem_limit if replanner.replan is not None else None
+        try:  # deterministic in the agreed profile: every rank decides alike
+            decision = measured_layer_split(profile, layout, num_microbatches=run.num_microbatches, mem_limit=limit)
+        except ValueError as err:
+            if ctx.rank == 0:
+                log(f"layer split kept: {str(err).splitlines()[0]}")
+            return None
         if ctx.rank == 0:
             log(decision.summary())
         return decision
