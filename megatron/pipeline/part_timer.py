@@ -13,7 +13,7 @@ times them inside the profiling window through declared hooks only:
   parts in the proportions of the analytic cost model (``megatron.model.cost_model``) -- the deferred weight
   gradients of a stage run as one queue, which no hook splits by part.
 
-Stages that recompute (``recompute_segments``) are left out of B's part times (their layers' outputs are rebuilt at
+Stages that recompute (``recompute_segments``) are left out of the part times (their layers' outputs are rebuilt at
 B, so the hooks registered at F never fire).  ``gather`` is collective over the pipeline group and returns the
 profile's ``parts`` entry (``zb_pipeline.schedule.stage_planner.ModelCosts.from_dict``).
 """
