@@ -85,6 +85,7 @@ def _run(argv: list[str], world: int, split=None, at: int = 0, save: bool = Fals
     [
         ["--pipeline-schedule", "zb-h1"],
         pytest.param(["--enable-zero-bubble"], marks=pytest.mark.slow),
+        pytest.param(["--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation"], marks=pytest.mark.slow),
         pytest.param(
             ["--pipeline-schedule", "zb-h1", "--bf16", "--untie-embeddings-and-output-weights"], marks=pytest.mark.slow
         ),
@@ -118,7 +119,6 @@ def test_planned_resplit_of_a_cost_dependent_schedule() -> None:
     started = _run([*argv, "--decoder-first-pipeline-num-layers", "3"], 2)
     assert started["after"] == (3, 1)
     assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(moved["losses"], started["losses"], strict=True))
-    print("bit-identical:", moved["losses"] == started["losses"])
 
 
 @pytest.mark.slow
