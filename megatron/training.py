@@ -312,7 +312,6 @@ def _train_loop(
         profile.after_iteration(tr.iteration)
         if collector is not None:
             collector.after_iteration(tr.iteration)
-        tr = _resplit_if_decided(tr, logger)
         window.add(res, run.global_batch_size_at(tr.iteration - 1))
         if res.grad_stats is not None:
             last_grad_norm = res.grad_stats.norm
@@ -328,6 +327,11 @@ def _train_loop(
             validation.append((it, loss))
             logger.validation(it, loss)
             window.start = time.time()  # validation time is not iteration time
+        decision = _split_decision(tr)
+        if decision is not None:  # before a checkpoint of this iteration, which records the new split
+            window.skipped += _count_skipped(settle_pending_step(tr))
+            tr = _resplit(tr, decision, logger)
+            window.start = time.time()  # moving the layers is not iteration time
         saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time)
         if stop:
             break
@@ -345,19 +349,22 @@ def _train_loop(
     return _final_summary(tr, logger, validation, collector, tokens_per_s), tr
 
 
-def _resplit_if_decided(tr: Trainer, logger: TrainingLogger) -> Trainer:
-    """The profiling window's measured layer split, applied at this iteration boundary when it differs (every rank
-    holds the same decision: it is planned from the agreed profile)."""
+def _split_decision(tr: Trainer) -> MeasuredSplit | None:
+    """The profiling window's measured layer split when it differs from the current one (every rank holds the same
+    decision: it is planned from the agreed profile)."""
     decision = getattr(tr.replanner, "agreed", None)
-    if not isinstance(decision, MeasuredSplit):
-        return tr
-    old = tr.run.pipeline_layout.layers_per_stage
-    if tuple(decision.plan.layers) == old:
-        return tr
-    new_split = decision.plan.layers
-    new = resplit(tr, new_split, decision=decision)
+    if not isinstance(decision, MeasuredSplit) or not decision.changes:
+        return None
+    return decision if tuple(decision.plan.layers) != tr.run.pipeline_layout.layers_per_stage else None
+
+
+def _resplit(tr: Trainer, decision: MeasuredSplit, logger: TrainingLogger) -> Trainer:
+    """Move the layers to ``decision``'s split at this iteration boundary (collective)."""
+    began, old = time.time(), tr.run.pipeline_layout.layers_per_stage
+    new = resplit(tr, decision.plan.layers, decision=decision)
     logger.print(
-        f"re-split after iteration {new.iteration}: layers per stage {list(old)} -> {list(decision.plan.layers)}"
+        f"re-split after iteration {new.iteration}: layers per stage {list(old)} -> {list(decision.plan.layers)} "
+        f"({time.time() - began:.2f} s)"
     )
     return new
 
