@@ -142,7 +142,6 @@ def test_resplit_with_the_distributed_optimizer_over_dp2() -> None:
     assert moved["losses"] == started["losses"], (moved, started)
 
 
-@pytest.mark.slow
 def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     """The trainer's own path: the window times the parts (the saved profile has a ``parts`` entry the planner
     reads), every rank plans the split from the agreed profile and, if it differs, moves the layers; either way the
