@@ -147,6 +147,7 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     reads), every rank plans the split from the agreed profile and, if it differs, moves the layers; either way the
     losses are those of the run without a window, to the bit."""
     from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import plan_stages
 
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
     window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
@@ -156,8 +157,12 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     assert got[0]["losses"] == ref["losses"]
     log = "".join(r["log"] for r in got)
     assert "layer split from measured per-part costs" in log
-    parts = Profile.load(f"{save}/zb_profile.json").model_costs()
+    profile = Profile.load(f"{save}/zb_profile.json")
+    parts = profile.model_costs()
     assert parts.num_layers == 4 and min(parts.layer.f, parts.layer.b, parts.head.f, parts.embedding.f) > 0
+    # the saved (agreed) profile plans offline what every rank decided in process
+    offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
     if "re-split after iteration 3" in log:
         assert "layers per stage [2, 2] -> " in log
 
