@@ -35,6 +35,7 @@ from megatron.tokenizer.recorded import copy_tokenizer_files, tokenizer_sources
 from zb_pipeline import comm
 
 if TYPE_CHECKING:
+    from megatron.arguments import RunConfig
     from megatron.trainer_state import Trainer
 
 
@@ -253,6 +254,27 @@ def _check_compatible(tr: Trainer, common: dict[str, Any], directory: Path) -> N
             f"checkpoint {directory} is of another model: {', '.join(diffs[:4])}; "
             "use the checkpoint's model flags or load a matching checkpoint"
         )
+
+
+def checkpoint_layer_split(run: RunConfig) -> RunConfig:
+    """``--pipeline-layer-split auto`` with ``--load``: the run takes the layers per stage the checkpoint recorded
+    (a re-split at the end of a profiling window may have changed them), before any stage is built.  Every rank
+    reads the same file, so all agree without a collective."""
+    layout = run.pipeline_layout
+    if not run.checkpoint.load or layout is None or run.parallel.layer_split != "auto" or layout.split == "explicit":
+        return run
+    root = Path(run.checkpoint.load)
+    iteration = cf.read_tracker(root)
+    if iteration is None:
+        return run
+    directory = cf.iteration_dir(root, iteration)
+    common = cf.verified_load(directory, cf.COMMON, cf.read_manifest(directory))
+    saved = common.get("layout", {}).get("layers_per_stage")
+    if saved is None or len(saved) != len(layout.layer_ranges) or sum(saved) != run.model.num_layers:
+        return run  # another shape: _check_compatible names the problem at load
+    if tuple(saved) == layout.layers_per_stage:
+        return run
+    return dataclasses.replace(run, pipeline_layout=layout.with_split(saved, split="auto"))
 
 
 def load_checkpoint(tr: Trainer, *, log=None) -> bool:

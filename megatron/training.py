@@ -30,13 +30,15 @@ import torch
 
 from megatron.arguments import RunConfig
 from megatron.checkpoint_files import check_writable
-from megatron.checkpointing import load_checkpoint, save_checkpoint
+from megatron.checkpointing import checkpoint_layer_split, load_checkpoint, save_checkpoint
 from megatron.config.errors import ConfigError
 from megatron.evaluation import evaluate
 from megatron.garbage_collection import ManualGC
 from megatron.parallel.context import ParallelContext
 from megatron.peer_failure import PeerFailedRunError, peer_failure_line, stage_labels
+from megatron.pipeline.layer_split import MeasuredSplit
 from megatron.pipeline.post_validated_step import SettledStep
+from megatron.pipeline.resplit import resplit
 from megatron.pipeline.trainer_hooks import (
     attach_replanner,
     context_layout,
@@ -83,6 +85,7 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None, scalar_sink: Any =
         check_writable(run.checkpoint.save)
     if run.checkpoint.load and not Path(run.checkpoint.load).is_dir():
         raise ConfigError(f"--load {run.checkpoint.load} does not exist; pass the directory you saved to with --save")
+    run = checkpoint_layer_split(run)  # --pipeline-layer-split auto resumes with the split the checkpoint recorded
     ctx = ParallelContext.initialize(
         tp=run.parallel.tp_size,
         pp=run.parallel.pp_size,
@@ -121,7 +124,9 @@ def _pretrain(
     window = ProfileWindow(run.profiling, rank=ctx.rank, log=logger.print)
     try:
         with signals:
-            summary = _train_loop(tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time)
+            summary, tr = _train_loop(
+                tr, logger, flops_per_iter, signals, collector, profile=window, start_time=start_time
+            )
     finally:
         window.stop()
         if tr.train_loader is not None:  # --num-workers: its worker processes end with the loop
@@ -293,7 +298,8 @@ def _train_loop(
     *,
     profile: ProfileWindow,
     start_time: float,
-) -> TrainSummary:
+) -> tuple[TrainSummary, Trainer]:
+    """The iterations; returns the summary and the trainer they ended with (a re-split replaces it)."""
     run, t, ckpt = tr.run, tr.run.training, tr.run.checkpoint
     validation: list[tuple[int, float]] = []
     window = _LogWindow()
@@ -326,6 +332,11 @@ def _train_loop(
             validation.append((it, loss))
             logger.validation(it, loss)
             window.start = time.time()  # validation time is not iteration time
+        decision = _split_decision(tr)
+        if decision is not None:  # before a checkpoint of this iteration, which records the new split
+            window.skipped += _count_skipped(settle_pending_step(tr))
+            tr = _resplit(tr, decision, logger)
+            window.start = time.time()  # moving the layers is not iteration time
         saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time)
         if stop:
             break
@@ -341,7 +352,27 @@ def _train_loop(
         logger.validation(tr.iteration, loss)
     tokens = (tr.consumed_train_samples - start_consumed) * run.model.seq_length
     tokens_per_s = tokens / wall if wall > 0 else 0.0
-    return _final_summary(tr, logger, validation, collector, tokens_per_s)
+    return _final_summary(tr, logger, validation, collector, tokens_per_s), tr
+
+
+def _split_decision(tr: Trainer) -> MeasuredSplit | None:
+    """The profiling window's measured layer split when it differs from the current one (every rank holds the same
+    decision: it is planned from the agreed profile)."""
+    decision = getattr(tr.replanner, "agreed", None)
+    if not isinstance(decision, MeasuredSplit) or not decision.changes:
+        return None
+    return decision if tuple(decision.plan.layers) != tr.run.pipeline_layout.layers_per_stage else None
+
+
+def _resplit(tr: Trainer, decision: MeasuredSplit, logger: TrainingLogger) -> Trainer:
+    """Move the layers to ``decision``'s split at this iteration boundary (collective)."""
+    began, old = time.time(), tr.run.pipeline_layout.layers_per_stage
+    new = resplit(tr, decision.plan.layers, decision=decision)
+    logger.print(
+        f"re-split after iteration {new.iteration}: layers per stage {list(old)} -> {list(decision.plan.layers)} "
+        f"({time.time() - began:.2f} s)"
+    )
+    return new
 
 
 def _time_is_up(tr: Trainer, start_time: float) -> bool:

@@ -14,12 +14,14 @@ stage is built (``megatron.arguments.apply_layer_split``).  ``recompute``: the o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from megatron.config.errors import ConfigError, require
 from megatron.config.parallel import ParallelConfig
 from megatron.model.config import GPTConfig
 from megatron.model.cost_model import model_costs
 from megatron.pipeline.layout import PipelineLayout
+from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import (
     PlannerError,
     RecomputeOption,
@@ -103,3 +105,44 @@ def wants_auto_split(layout: PipelineLayout | None, parallel: ParallelConfig, vi
         "(the schedule's default chunks apply) or the auto split",
     )
     return True
+
+
+def measured_layer_split(
+    profile: Profile, layout: PipelineLayout, *, num_microbatches: int, mem_limit: float | None = None
+) -> MeasuredSplit:
+    """The stage planner's split under ``profile``'s per-part costs (its ``parts`` entry), for the run's schedule
+    and shape within ``mem_limit`` (bytes per rank, the window's), beside the current split's simulated iteration
+    under the same costs.  Deterministic in ``profile``: every rank that holds the agreed profile gets the same
+    answer.  ``ValueError`` when no split fits the limit."""
+    costs = profile.model_costs()
+    sched = layout.schedule
+    shape = dict(
+        schedule=sched.name, num_ranks=sched.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
+    )
+    plan = plan_stages(costs, mem_limit=mem_limit, **shape)
+    current = evaluate_split(costs, layout.layers_per_stage, **shape)[0]
+    return MeasuredSplit(plan=plan, current=layout.layers_per_stage, current_iteration=current, mem_limit=mem_limit)
+
+
+@dataclass(frozen=True)
+class MeasuredSplit:
+    """The split re-decided from measured costs at the end of the profiling window."""
+
+    plan: StagePlan
+    current: tuple[int, ...]
+    current_iteration: float
+    mem_limit: float | None = None  # bytes per rank the plan was chosen within (the window's memory limit)
+
+    @property
+    def changes(self) -> bool:
+        return tuple(self.plan.layers) != tuple(self.current)
+
+    def summary(self) -> str:
+        gain = self.plan.iteration / self.current_iteration - 1 if self.current_iteration > 0 else 0.0
+        text = (
+            f"layer split from measured per-part costs: {list(self.plan.layers)} (simulated iteration "
+            f"{self.plan.iteration:.2f} ms, {gain:+.1%} against the current {list(self.current)})"
+        )
+        if self.changes:
+            text += "; moving the layers at this iteration boundary"
+        return text

@@ -39,11 +39,15 @@ from megatron.data.loader import train_microbatches
 from megatron.deferred_loss import PendingLoss
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
+from megatron.model.cost_model import model_costs
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
+from megatron.pipeline.layer_split import MeasuredSplit, measured_layer_split
+from megatron.pipeline.part_timer import PartTimer
 from zb_pipeline.runtime.replanner import WindowReplanner
 from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.profile import Profile
 
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
@@ -191,17 +195,20 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     """The run's schedule re-planned from profiled costs: a ``WindowReplanner`` over
     ``--zero-bubble-pipeline-timers-start/end-iter``.
 
-    Returns ``None`` unless the run uses a schedule whose plan depends on the costs (``uses_costs`` in the
-    registry: zb-auto, zb-h2's W placement, the V schedules, interleaved-zb) with a profiling window.
+    Returns ``None`` unless the run has a profiling window and uses a schedule whose plan depends on the costs
+    (``uses_costs`` in the registry: zb-auto, zb-h2's W placement, the V schedules, interleaved-zb) or an auto layer
+    split (``--pipeline-layer-split auto``, any schedule): the window then also times the model's parts and every
+    rank re-decides the split from the agreed profile (``replanner.agreed``, applied by the training loop).
     The memory limit (``--zero-bubble-max-pending-backward``) applies to zb-auto; the others keep the bound they
     state.  Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
     adopt one plan).
     """
     cfg = run.pipeline
+    resplit = _measures_split(run)
     if (
         pipe is None
         or cfg.schedule_file is not None
-        or not registry.get(cfg.schedule).uses_costs
+        or not (registry.get(cfg.schedule).uses_costs or resplit)
         or cfg.timers_start_iter is None
         or cfg.timers_end_iter is None
     ):
@@ -221,4 +228,57 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         log=log,
         stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
     )
+    if resplit:
+        _measure_split(replanner, pipe, run, ctx, log)
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
+
+
+def _measures_split(run: RunConfig) -> bool:
+    """``--pipeline-layer-split auto`` planned the split: the profiling window re-decides it from measured costs."""
+    layout = run.pipeline_layout
+    return run.parallel.layer_split == "auto" and layout is not None and layout.split == "auto"
+
+
+def _measure_split(
+    replanner: WindowReplanner, pipe: GPTPipeline, run: RunConfig, ctx: ParallelContext, log: Any
+) -> None:
+    """Time the parts of the stages in the window (``PartTimer``), put them in the profile's ``parts`` and plan
+    the split from the agreed profile on every rank (``MeasuredSplit``, kept in ``replanner.agreed``)."""
+    layout = run.pipeline_layout
+    timer = PartTimer(pipe.runtime, start_iter=replanner.start_iter, end_iter=replanner.end_iter)
+    analytic = model_costs(
+        run.model,
+        padded_vocab_size=run.padded_vocab_size,
+        micro_batch_size=run.training.micro_batch_size,
+        bytes_per_element=run.precision.params_dtype.itemsize,
+    )
+
+    def parts(profile: Profile) -> dict[str, Any] | None:
+        try:  # every rank combines the same gathered samples, so all fail alike
+            return timer.gather(profile, analytic, group=ctx.pp_group)
+        except ValueError as err:
+            if ctx.rank == 0:
+                log(f"layer split kept: no per-part costs ({err})")
+            return None
+        finally:
+            timer.detach()
+
+    def decide(profile: Profile) -> MeasuredSplit | None:
+        if profile.parts is None:
+            return None
+        if run.recompute.auto:  # its per-stage choices were planned with the start-up split, not re-planned here
+            if ctx.rank == 0:
+                log("layer split kept: --recompute-granularity auto chose per stage for the start-up split")
+            return None
+        limit = replanner.replan.mem_limit if replanner.replan is not None else None
+        try:  # deterministic in the agreed profile: every rank decides alike
+            decision = measured_layer_split(profile, layout, num_microbatches=run.num_microbatches, mem_limit=limit)
+        except ValueError as err:
+            if ctx.rank == 0:
+                log(f"layer split kept: {str(err).splitlines()[0]}")
+            return None
+        if ctx.rank == 0:
+            log(decision.summary())
+        return decision
+
+    replanner.parts, replanner.on_agreed = parts, decide

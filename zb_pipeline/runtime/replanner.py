@@ -124,6 +124,13 @@ class WindowReplanner:
     log: Callable[[str], None] = print
     broadcast_src: int | None = 0  # global rank whose profile every rank adopts (None: keep the group's own)
     stage_layers: tuple[int, ...] = ()  # layers per virtual stage, recorded in the profile (the stage planner's input)
+    # Collective on every rank after the gather: the profile's ``parts`` entry (per-part costs measured by the
+    # model's own timer, e.g. megatron.pipeline.part_timer), or None; it travels with the agreed profile.
+    parts: Callable[[Profile], dict[str, Any] | None] | None = None
+    # Called on every rank with the agreed profile, after the plan switch (e.g. the stage planner's re-decision);
+    # what it returns is kept in ``agreed``.
+    on_agreed: Callable[[Profile], Any] | None = None
+    agreed: Any = field(default=None, init=False)
     profiler: ActionProfiler | None = field(default=None, init=False)
     profile: Profile | None = field(default=None, init=False)
     replan: Replan | None = field(default=None, init=False)
@@ -157,9 +164,11 @@ class WindowReplanner:
         if iteration != self.end_iter - 1 or self.replan is not None:
             return None
         profile = self.profiler.gather(group=self.group)
-        profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
         if self.stage_layers:
             profile = dataclasses.replace(profile, stage_layers=tuple(self.stage_layers))
+        if self.parts is not None:
+            profile = dataclasses.replace(profile, parts=self.parts(profile))
+        profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
         self.profile = profile
         current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
         replan = regenerate(profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit)
@@ -173,6 +182,8 @@ class WindowReplanner:
             profile.save(self.save_path)
         if rank0:
             self.log(replan.summary())
+        if self.on_agreed is not None:
+            self.agreed = self.on_agreed(profile)
         return replan
 
     def _agree(self, profile: Profile, limit: float | None) -> tuple[Profile, float | None]:

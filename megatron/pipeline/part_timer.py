@@ -1,0 +1,262 @@
+"""Per-part costs measured inside the pipeline stages: the embedding, each transformer layer, the head with the loss.
+
+With two virtual stages the stage profile cannot tell a layer's cost from the embedding's or the head's (each stage
+holds layers and one of them); the stage planner (``--pipeline-layer-split auto``) needs them apart.  ``PartTimer``
+times them inside the profiling window through declared hooks only:
+
+- F: ``torch.nn.Module`` forward pre/post hooks on the embedding, each ``TransformerLayer`` and the stage itself (the
+  head with the loss is the time from the last layer's end to the stage's end);
+- B: tensor gradient hooks, registered at F, on each part's boundary tensors (the loss, each layer's output and
+  input); inside one B action their firing times bound each part's backward (the embedding's is the rest of the B
+  action after its output's gradient), the B handler wrapped through the runtime's ``wrap_handler``;
+- W and the activation memory per part: the stage profile's measured W and memory of each stage, shared among its
+  parts in the proportions of the analytic cost model (``megatron.model.cost_model``) -- the deferred weight
+  gradients of a stage run as one queue, which no hook splits by part.
+
+Stages that recompute (``recompute_segments``) are left out of the part times (their layers' outputs are rebuilt at
+B, so the hooks registered at F never fire).  ``gather`` is collective over the pipeline group and returns the
+profile's ``parts`` entry (``zb_pipeline.schedule.stage_planner.ModelCosts.from_dict``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zb_pipeline import comm
+from zb_pipeline.schedule.ir import Kind
+from zb_pipeline.schedule.profile import Profile
+from zb_pipeline.schedule.stage_planner import ModelCosts
+
+PARTS = ("embedding", "layer", "head")
+
+
+class PartTimer:
+    """Times the parts of this rank's ``GPTStage`` s in iterations ``[start_iter, end_iter)`` of ``runtime``."""
+
+    def __init__(self, runtime: Any, *, start_iter: int, end_iter: int) -> None:
+        self.runtime, self.start_iter, self.end_iter = runtime, start_iter, end_iter
+        self.stages: dict[int, Any] = dict(runtime.stages)
+        self.cuda = any(p.is_cuda for m in self.stages.values() for p in m.parameters())
+        self.active = False
+        self.samples: dict[tuple[str, str], list[float]] = {}  # (part, "f"/"b") -> ms per microbatch (layer: each)
+        self._pending: list[tuple[str, str, Any, Any]] = []  # CUDA: (part, kind, start event, end event)
+        self._in_b = False
+        self._marks: dict[tuple[str, int], Any] | None = None  # inside a B action: boundary -> gradient time
+        self._layer_start: Any = None
+        self._last_layer_end: Any = None
+        self._emb_start: Any = None
+        self._handles: list[Any] = []
+        self._owner = {  # id(module) -> its stage: F is timed unless the stage recomputes
+            id(m): stage
+            for stage in self.stages.values()
+            for m in (stage, stage.embedding, *stage.layers)
+            if m is not None
+        }
+        self._install()
+
+    # -- wiring -----------------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        self.runtime.hooks.iteration_start.append(self._begin_iteration)
+        self.runtime.wrap_handler(Kind.B, self._wrap_b)
+        for module in self.stages.values():
+            if module.embedding is not None:
+                self._handles.append(module.embedding.register_forward_pre_hook(self._emb_pre))
+                self._handles.append(module.embedding.register_forward_hook(self._emb_post))
+            for i, layer in enumerate(module.layers):
+                self._handles.append(layer.register_forward_pre_hook(self._layer_pre(i)))
+                self._handles.append(layer.register_forward_hook(self._layer_post(i, len(module.layers))))
+            if module.post_process:
+                self._handles.append(module.register_forward_hook(self._stage_post))
+
+    def detach(self) -> None:
+        """Remove the module hooks (the handler wrapper stays, inactive)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.active = False
+
+    def _begin_iteration(self, ex: Any) -> None:
+        self.active = self.start_iter <= ex.iteration < self.end_iter
+
+    def _timing_forward(self, module: Any) -> bool:
+        stage = self._owner.get(id(module))
+        return self.active and not self._in_b and torch.is_grad_enabled() and not (stage and stage.recompute_segments)
+
+    # -- clock ------------------------------------------------------------------------------------------------
+    def _now(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _record(self, part: str, kind: str, start: Any, end: Any) -> None:
+        if self.cuda:
+            self._pending.append((part, kind, start, end))
+        else:
+            self.samples.setdefault((part, kind), []).append((end - start) * 1e3)
+
+    def _mark(self, key: tuple[str, int]) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            if self._marks is not None:
+                self._marks.setdefault(key, self._now())
+
+        return hook
+
+    # -- F ----------------------------------------------------------------------------------------------------
+    def _emb_pre(self, module: Any, args: Any) -> None:
+        if self._timing_forward(module):
+            self._emb_start = self._now()
+
+    def _emb_post(self, module: Any, args: Any, out: torch.Tensor) -> None:
+        if self._timing_forward(module) and self._emb_start is not None:
+            self._record("embedding", "f", self._emb_start, self._now())
+            self._emb_start = None
+
+    def _layer_pre(self, i: int) -> Callable[[Any, Any], None]:
+        def hook(module: Any, args: Any) -> None:
+            if not self._timing_forward(module):
+                return
+            x = args[0]
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                x.register_hook(self._mark(("in", i)))
+            self._layer_start = self._now()
+
+        return hook
+
+    def _layer_post(self, i: int, n: int) -> Callable[[Any, Any, Any], None]:
+        def hook(module: Any, args: Any, out: Any) -> None:
+            if not self._timing_forward(module) or self._layer_start is None:
+                return
+            end = self._now()
+            self._record("layer", "f", self._layer_start, end)
+            self._layer_start = None
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(self._mark(("out", i)))
+            if i == n - 1:
+                self._last_layer_end = end
+
+        return hook
+
+    def _stage_post(self, module: Any, args: Any, out: Any) -> None:
+        if not self._timing_forward(module) or self._last_layer_end is None:
+            return
+        self._record("head", "f", self._last_layer_end, self._now())
+        self._last_layer_end = None
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(self._mark(("loss", 0)))
+
+    # -- B ----------------------------------------------------------------------------------------------------
+    def _wrap_b(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def handler(ex: Any, a: Any) -> Any:
+            module = self.stages.get(a.stage)
+            if not self.active or module is None or module.recompute_segments:
+                return inner(ex, a)
+            self._in_b, self._marks = True, {}
+            try:
+                out = inner(ex, a)
+                end = self._now()
+                marks = self._marks
+            finally:
+                self._in_b, self._marks = False, None
+            self._b_parts(module, marks, end)
+            return out
+
+        return handler
+
+    def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any) -> None:
+        n = len(module.layers)
+        if module.post_process and ("loss", 0) in marks and ("out", n - 1) in marks:
+            self._record("head", "b", marks[("loss", 0)], marks[("out", n - 1)])
+        for i in range(n):
+            if ("out", i) in marks and ("in", i) in marks:
+                self._record("layer", "b", marks[("out", i)], marks[("in", i)])
+        if module.embedding is not None and ("in", 0) in marks:
+            self._record("embedding", "b", marks[("in", 0)], end)
+
+    # -- results ----------------------------------------------------------------------------------------------
+    def local_summary(self) -> dict[str, dict[str, list[float]]]:
+        """This rank's F and B samples (ms per microbatch; a layer's: each layer's) per part it holds (JSON-able)."""
+        if self._pending:
+            torch.cuda.synchronize()
+            for part, kind, start, end in self._pending:
+                self.samples.setdefault((part, kind), []).append(float(start.elapsed_time(end)))
+            self._pending.clear()
+        out: dict[str, dict[str, list[float]]] = {}
+        for (part, kind), values in self.samples.items():
+            out.setdefault(part, {})[kind] = list(values)
+        return out
+
+    def gather(self, profile: Profile, analytic: ModelCosts, *, group: Any = None) -> dict[str, Any]:
+        """The profile's ``parts`` entry (collective over ``group``, the pipeline group): each part's measured F
+        and B, W and memory from ``profile``'s stages shared in ``analytic``'s proportions."""
+        local = self.local_summary()
+        if comm.is_initialized():
+            every: list[Any] = [None] * comm.world_size(group)
+            comm.all_gather_object(every, local, group=group)
+        else:
+            every = [local]
+        return combine_parts(every, profile, analytic)
+
+
+def combine_parts(summaries: list[dict[str, dict[str, list[float]]]], profile: Profile, analytic: ModelCosts) -> dict:
+    """Every rank's ``local_summary`` and the stage profile into a ``parts`` entry (see the module docstring).
+
+    Each part's F and B are the median of every rank's samples of it (a layer's: of all layers, which are alike).
+    A stage's measured W (or, without one, its F) and memory scale the analytic parts it holds.
+    """
+    measured: dict[str, dict[str, float]] = {}
+    for part in PARTS:
+        for kind in ("f", "b"):
+            values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
+            if values:
+                measured.setdefault(part, {})[kind] = float(statistics.median(values))
+    missing = [p for p in PARTS if "f" not in measured.get(p, {})]
+    if missing:
+        raise ValueError(f"the profiling window timed no {', '.join(missing)} forward: profile at least one iteration")
+    layers = profile.stage_layers
+    if len(layers) != profile.num_stages:
+        raise ValueError("per-part costs need the profile's stage_layers (layers per virtual stage)")
+    last = profile.num_stages - 1
+    an = {"embedding": analytic.embedding, "layer": analytic.layer, "head": analytic.head}
+
+    def held(s: int) -> dict[str, int]:
+        return {"embedding": int(s == 0), "layer": layers[s], "head": int(s == last)}
+
+    def scale(s: int, field: str, measured_total: float | None) -> float | None:
+        """measured / analytic total of ``field`` on stage ``s``."""
+        total = sum(n * getattr(an[p], field) for p, n in held(s).items())
+        if measured_total is None or total <= 0:
+            return None
+        return measured_total / total
+
+    def share(part: str, field: str, per_stage: tuple) -> float:
+        factors = [scale(s, field, per_stage[s]) for s in range(profile.num_stages) if held(s)[part]]
+        factors = [f for f in factors if f is not None]
+        if not factors or getattr(an[part], field) == 0:
+            return 0.0
+        return getattr(an[part], field) * float(statistics.median(factors))
+
+    w_stage = tuple(profile.w) if all(v is not None for v in profile.w) else None
+    mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * profile.num_stages
+    out: dict[str, Any] = {"num_layers": analytic.num_layers, "comm": float(profile.comm or 0.0)}
+    for part in PARTS:
+        f = measured[part]["f"]
+        b = measured[part].get("b", 0.0)
+        if w_stage is not None:
+            w = share(part, "w", w_stage)
+        else:  # fused BW only: W in the analytic ratio to the measured F
+            w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
+        out[part] = {
+            "f": max(f, 1e-6),
+            "b": max(b, 0.0),
+            "w": max(w, 0.0),
+            "mem_f": max(share(part, "mem_f", tuple(profile.mem_f)), 0.0),
+            "mem_b": max(share(part, "mem_b", mem_b), 0.0),
+        }
+    return out

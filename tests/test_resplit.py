@@ -1,0 +1,225 @@
+"""Re-splitting the layers in process (``megatron.pipeline.resplit``): after the move the run continues bit for bit
+as a run that started with the new split, and a checkpoint written after it records and resumes the new split."""
+
+from __future__ import annotations
+
+import pytest
+
+from zb_pipeline.testing.harness import run_multiprocess
+
+STEPS = 4
+ARGV = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+    "--vocab-size", "120", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
+    "--train-iters", str(STEPS), "--lr", "3e-3", "--lr-warmup-iters", "1", "--weight-decay", "0.1",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "11", "--log-interval", "1",
+    "--distributed-timeout-seconds", "60", "--eval-iters", "0", "--pipeline-model-parallel-size", "2",
+]  # fmt: skip
+AUTO = ["--pipeline-layer-split", "auto"]
+
+
+def _train(rank: int, world_size: int, argv: list[str], split: tuple[int, ...] | None, at: int, save: bool):
+    """``argv``'s run for its iterations, re-split to ``split`` before iteration ``at``; saved (``--save``) after
+    iteration ``at + 1`` if ``save``."""
+    from datetime import timedelta
+
+    import torch
+
+    from megatron.arguments import parse_run_config
+    from megatron.checkpointing import save_checkpoint
+    from megatron.parallel.context import ParallelContext
+    from megatron.pipeline.resplit import resplit
+    from megatron.pipeline.trainer_hooks import context_layout
+    from megatron.training_setup import setup
+    from megatron.training_step import settle_losses, settle_pending_step, train_step
+
+    torch.set_num_threads(1)
+    run = parse_run_config(argv, world_size=world_size)
+    ctx = ParallelContext.initialize(
+        tp=run.parallel.tp_size, pp=run.parallel.pp_size, timeout=timedelta(seconds=60), **context_layout(run)
+    )
+    try:
+        tr = setup(run, ctx)
+        before = tr.run.pipeline_layout.layers_per_stage
+        while tr.iteration < run.training.train_iters:
+            if split == "planned" and tr.iteration == at:  # the planner's answer for head-heavy per-part costs
+                decision = _planned(tr)
+                tr = resplit(tr, decision.plan.layers, decision=decision)
+            elif split is not None and tr.iteration == at:
+                tr = resplit(tr, split)
+            train_step(tr)
+            if save and tr.iteration == at + 1:
+                settle_pending_step(tr)
+                save_checkpoint(tr)
+        settle_pending_step(tr)
+        settle_losses(tr)  # the losses' reductions are deferred until read (megatron.deferred_loss)
+        return {"losses": list(tr.losses), "before": before, "after": tr.run.pipeline_layout.layers_per_stage}
+    finally:
+        ctx.shutdown()
+
+
+def _planned(tr):
+    """A ``MeasuredSplit`` from per-part costs whose head weighs three layers (the planner moves layers off it)."""
+    from megatron.pipeline.layer_split import measured_layer_split
+    from zb_pipeline.schedule.profile import Profile
+
+    one = {"f": 1.0, "b": 1.0, "w": 1.0, "mem_f": 1.0, "mem_b": 0.0}
+    parts = {"num_layers": 4, "layer": one, "embedding": {**one, "f": 0.1}, "head": {**one, "f": 3, "b": 3, "w": 3}}
+    pair = (1.0, 1.0)
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=pair, b=pair, w=pair, bw=(None, None), comm=0.0,
+        mem_f=pair, mem_b=(0.0, 0.0), mem_w=(-1.0, -1.0), parts=parts,
+    )  # fmt: skip
+    run = tr.run
+    return measured_layer_split(profile, run.pipeline_layout, num_microbatches=run.num_microbatches)
+
+
+def _run(argv: list[str], world: int, split=None, at: int = 0, save: bool = False) -> dict:
+    results = run_multiprocess(_train, world, args=(argv, split, at, save), timeout_s=240)
+    for r in results[1:]:
+        assert r["losses"] == results[0]["losses"]
+    return results[0]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--pipeline-schedule", "zb-h1"],
+        pytest.param(["--enable-zero-bubble"], marks=pytest.mark.slow),
+        pytest.param(["--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation"], marks=pytest.mark.slow),
+        pytest.param(
+            ["--pipeline-schedule", "zb-h1", "--bf16", "--untie-embeddings-and-output-weights"], marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -> None:
+    """Start auto-split ([2, 2] for this small head), move a layer to the last rank after two steps: the losses are
+    those of a run that started with [1, 3] (explicit flags), to the bit.  The checkpoint written after the move
+    records [1, 3]; ``pretrain --load`` with the auto split (which alone would choose [2, 2]) resumes with it, bit
+    for bit."""
+    argv = [*ARGV, *flags]
+    ckpt = str(tmp_path / "ckpt")
+    moved = _run([*argv, *AUTO, "--save", ckpt], 2, split=(1, 3), at=2, save=True)
+    assert moved["before"] == (2, 2) and moved["after"] == (1, 3)
+    started = _run([*argv, "--decoder-first-pipeline-num-layers", "1"], 2)
+    assert started["after"] == (1, 3)
+    assert moved["losses"] == started["losses"], (moved, started)
+    resumed = run_multiprocess(_pretrain, 2, args=([*argv, *AUTO, "--load", ckpt],), timeout_s=240)[0]
+    assert resumed["losses"] == moved["losses"][3:]
+    assert "layers per stage: [1, 3] (auto)" in resumed["log"]
+
+
+@pytest.mark.slow
+def test_planned_resplit_of_a_cost_dependent_schedule() -> None:
+    """zb-auto moved by the planner's decision (whose simulated plan for the new split the runtime then runs): the
+    losses of a run started with that split, whose plan came from the default costs (relative 1e-4, fixed before
+    measuring: another plan may order the weight-gradient accumulation differently)."""
+    argv = [*ARGV, "--enable-zero-bubble"]
+    moved = _run([*argv, *AUTO], 2, split="planned", at=2)
+    assert moved["before"] == (2, 2) and moved["after"] == (3, 1)
+    started = _run([*argv, "--decoder-first-pipeline-num-layers", "3"], 2)
+    assert started["after"] == (3, 1)
+    assert all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(moved["losses"], started["losses"], strict=True))
+
+
+@pytest.mark.slow
+def test_resplit_with_tensor_parallelism() -> None:
+    """pp = 2 x tp = 2: each tensor-parallel shard moves to its new owner of the same tp rank."""
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", "--tensor-model-parallel-size", "2"]
+    moved = _run([*argv, *AUTO], 4, split=(1, 3), at=2)
+    assert moved["after"] == (1, 3)
+    started = _run([*argv, "--decoder-first-pipeline-num-layers", "1"], 4)
+    assert moved["losses"] == started["losses"], (moved, started)
+
+
+@pytest.mark.slow
+def test_resplit_with_the_distributed_optimizer_over_dp2() -> None:
+    """pp = 2 x dp = 2 with --use-distributed-optimizer: the optimizer shards are re-sharded for the new split's
+    buckets and the run continues bit for bit."""
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", "--use-distributed-optimizer", "--global-batch-size", "8"]
+    moved = _run([*argv, *AUTO], 4, split=(3, 1), at=2)
+    assert moved["before"] == (2, 2) and moved["after"] == (3, 1)
+    started = _run([*argv, "--decoder-first-pipeline-num-layers", "3"], 4)
+    assert moved["losses"] == started["losses"], (moved, started)
+
+
+def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
+    """The trainer's own path: the window times the parts (the saved profile has a ``parts`` entry the planner
+    reads), every rank plans the split from the agreed profile and, if it differs, moves the layers; either way the
+    losses are those of the run without a window, to the bit."""
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import plan_stages
+
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
+    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+    save = str(tmp_path / "ckpt")
+    got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
+    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
+    assert got[0]["losses"] == ref["losses"]
+    log = "".join(r["log"] for r in got)
+    assert "layer split from measured per-part costs" in log
+    profile = Profile.load(f"{save}/zb_profile.json")
+    parts = profile.model_costs()
+    assert parts.num_layers == 4 and min(parts.layer.f, parts.layer.b, parts.head.f, parts.embedding.f) > 0
+    # the saved (agreed) profile plans offline what every rank decided in process
+    offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
+    if "re-split after iteration 3" in log:
+        assert "layers per stage [2, 2] -> " in log
+
+
+def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
+    import io
+
+    import torch
+
+    from megatron.arguments import parse_run_config
+    from megatron.training import pretrain
+
+    torch.set_num_threads(1)
+    stream = io.StringIO()
+    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
+    return {"losses": list(summary.losses), "log": stream.getvalue()}
+
+
+def test_parts_combine_measured_times_with_the_stage_profile() -> None:
+    """F and B of each part are the medians of every rank's samples; a stage's measured W and memory are shared among
+    its parts in the analytic model's proportions, so the parts add up to the stage again."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
+
+    analytic = ModelCosts(
+        num_layers=4,
+        layer=PartCosts(f=1.0, b=2.0, w=1.0, mem_f=10.0),
+        embedding=PartCosts(f=0.1, b=0.0, w=0.5, mem_f=1.0),
+        head=PartCosts(f=2.0, b=2.0, w=2.0, mem_f=30.0),
+    )
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(9.0, 9.0), w=(5.0, 8.0), bw=(None, None), comm=0.25,
+        mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2),
+    )  # fmt: skip
+    summaries = [
+        {"embedding": {"f": [0.3, 0.2, 9.0]}, "layer": {"f": [2.0, 2.1, 50.0], "b": [3.0, 3.0]}},
+        {"layer": {"f": [2.2], "b": [3.5, 4.0]}, "head": {"f": [4.0, 4.4, 4.2], "b": [5.0]}},
+    ]
+    parts = combine_parts(summaries, profile, analytic)
+    assert parts["layer"]["f"] == pytest.approx(2.15) and parts["layer"]["b"] == 3.25  # medians of the pooled samples
+    assert parts["embedding"]["f"] == 0.3 and parts["embedding"]["b"] == 0.0 and parts["head"]["b"] == 5.0
+    # stage 0 measured W 5 over analytic 0.5 + 2 * 1 = 2.5: x2; stage 1: 8 over 2 * 1 + 2 = 4: x2
+    assert parts["embedding"]["w"] == 1.0 and parts["layer"]["w"] == 2.0 and parts["head"]["w"] == 4.0
+    # memory: stage 0 42 over 21: x2; stage 1 100 over 50: x2
+    assert parts["embedding"]["mem_f"] == 2.0 and parts["layer"]["mem_f"] == 20.0 and parts["head"]["mem_f"] == 60.0
+    assert parts["comm"] == 0.25 and parts["num_layers"] == 4
+    assert _through_json(parts, profile)
+
+
+def _through_json(parts: dict, profile) -> bool:
+    """The entry is what ``Profile.model_costs`` reads, through the profile file's JSON."""
+    import dataclasses
+    import json
+
+    from zb_pipeline.schedule.profile import Profile
+
+    again = Profile.from_dict(json.loads(json.dumps(dataclasses.replace(profile, parts=parts).to_dict())))
+    return again.model_costs().head.w == 4.0
