@@ -247,6 +247,8 @@ def _limit_flag(cfg: Any) -> str:
             f"--zero-bubble-max-pending-backward auto (--zero-bubble-adaptive-memory-limit-percentile "
             f"{cfg.adaptive_memory_percentile:g})"
         )
+    if cfg.mem_limit is None:  # no limit: the re-plan cannot fail on one
+        return "the memory limit"
     return f"--zero-bubble-max-pending-backward {cfg.mem_limit:g}"
 
 
