@@ -104,3 +104,15 @@ def test_zb_auto_window_replan_below_one_microbatch_raises_on_every_rank() -> No
         "window (iterations 0-0) leave no zb-auto plan within it: "
     ), lines[0]
     assert "the smallest limit that works is" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_the_smallest_limit_named_works() -> None:
+    """The value the line names is a limit the same run goes on with (CPU saved-tensor bytes are exact)."""
+    (code, err, _), _ = run_multiprocess(_main, 2, args=(ARGV,), timeout_s=120)
+    assert code == 2, err
+    need = LINE.match(err.splitlines()[0])["need"]
+    argv = [*ARGV, "--pipeline-memory-limit-gb", need]  # the later flag wins
+    results = run_multiprocess(_main, 2, args=(argv,), timeout_s=120)
+    assert [r[0] for r in results] == [0, 0], [r[1] for r in results]
+    assert "replanned zb-h1" in results[0][2] and " iteration        3/" in results[0][2]
