@@ -206,7 +206,9 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     split (``--pipeline-layer-split auto``, any schedule): the window then also times the model's parts and every
     rank re-decides the split from the agreed profile (``replanner.agreed``, applied by the training loop).
     The memory limit (``--zero-bubble-max-pending-backward``) applies to zb-auto; the others keep the bound they
-    state.  Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
+    state.  ``--pipeline-memory-limit-gb`` bounds the split re-decided in the window; a limit that the measured
+    memory proves impossible raises ``ConfigError`` on every rank alike (the same agreed profile everywhere).
+    Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
     adopt one plan).
     """
     cfg = run.pipeline
