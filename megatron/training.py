@@ -54,6 +54,7 @@ from megatron.training_setup import setup
 from megatron.training_step import StepResult, settle_losses, settle_pending_step, train_step
 from zb_pipeline import comm
 from zb_pipeline.runtime.host_allocator import keep_freed_host_memory
+from zb_pipeline.runtime.replanner import MeasuredLimitError
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None, scalar_sink: Any =
             err, labels=labels, first_rank=ctx.rank == 0, timeout_s=run.parallel.distributed_timeout_s
         )
         raise PeerFailedRunError(line) from err
+    except MeasuredLimitError as err:  # the profiling window's memory proves the limit impossible: bad input
+        raise ConfigError(str(err)) from None
     finally:
         ctx.shutdown()
 

@@ -89,6 +89,19 @@ def _ceil_gib(nbytes: float) -> str:
     return f"{math.ceil(gib * 10**digits) / 10**digits:g}"
 
 
+def measured_limit_error(
+    mem_limit: float, need: float, *, window: tuple[int, int], finding: str, hint: str = ""
+) -> ConfigError:
+    """The one line when the memory measured in the profiling window (iterations ``window``) proves
+    ``--pipeline-memory-limit-gb`` impossible: ``finding`` says what does not fit, ``need`` (bytes per rank) is the
+    smallest limit with which the run would have gone on."""
+    return ConfigError(
+        f"--pipeline-memory-limit-gb {mem_limit / GIB:g}: by the activation memory measured in the profiling window "
+        f"(iterations {window[0]}-{window[1]}), {finding}; the smallest limit that works is {_ceil_gib(need)} GiB: "
+        f"raise --pipeline-memory-limit-gb{hint}"
+    )
+
+
 def memory_limit_bytes(parallel: ParallelConfig) -> float | None:
     """``--pipeline-memory-limit-gb`` in bytes per rank (None: no limit)."""
     return None if parallel.memory_limit_gb is None else parallel.memory_limit_gb * GIB

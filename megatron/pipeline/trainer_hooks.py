@@ -43,11 +43,17 @@ from megatron.model.cost_model import model_costs
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
-from megatron.pipeline.layer_split import MeasuredSplit, measured_layer_split
+from megatron.pipeline.layer_split import (
+    MeasuredSplit,
+    measured_layer_split,
+    measured_limit_error,
+    memory_limit_bytes,
+)
 from megatron.pipeline.part_timer import PartTimer
 from zb_pipeline.runtime.replanner import WindowReplanner
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.profile import Profile
+from zb_pipeline.schedule.stage_planner import PlannerError
 
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
@@ -200,7 +206,9 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     split (``--pipeline-layer-split auto``, any schedule): the window then also times the model's parts and every
     rank re-decides the split from the agreed profile (``replanner.agreed``, applied by the training loop).
     The memory limit (``--zero-bubble-max-pending-backward``) applies to zb-auto; the others keep the bound they
-    state.  Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
+    state.  ``--pipeline-memory-limit-gb`` bounds the split re-decided in the window; a limit that the measured
+    memory proves impossible raises ``ConfigError`` on every rank alike (the same agreed profile everywhere).
+    Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
     adopt one plan).
     """
     cfg = run.pipeline
@@ -227,10 +235,23 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
         stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
+        limit_flag=_limit_flag(cfg) if auto else "the memory limit",
     )
     if resplit:
         _measure_split(replanner, pipe, run, ctx, log)
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
+
+
+def _limit_flag(cfg: Any) -> str:
+    """How the user gave zb-auto's memory limit, for the window's one-line error."""
+    if cfg.mem_limit_auto:
+        return (
+            f"--zero-bubble-max-pending-backward auto (--zero-bubble-adaptive-memory-limit-percentile "
+            f"{cfg.adaptive_memory_percentile:g})"
+        )
+    if cfg.mem_limit is None:  # no limit: the re-plan cannot fail on one
+        return "the memory limit"
+    return f"--zero-bubble-max-pending-backward {cfg.mem_limit:g}"
 
 
 def _measures_split(run: RunConfig) -> bool:
@@ -263,16 +284,46 @@ def _measure_split(
         finally:
             timer.detach()
 
+    gb_limit = memory_limit_bytes(run.parallel)  # --pipeline-memory-limit-gb, checked against measured memory
+    window = (replanner.start_iter, replanner.end_iter - 1)
+    schedule = layout.schedule.name
+
+    def kept_need() -> float | None:
+        """Bytes per rank the plan in force peaks at under the measured memory (the window's re-plan)."""
+        return None if replanner.replan is None else max(replanner.replan.result.peak_memory)
+
+    def check_kept(why: str) -> None:
+        """The split (and recompute choice) stays: its plan's peak under the measured memory must fit the limit."""
+        need = kept_need()
+        if gb_limit is not None and need is not None and need > gb_limit:
+            finding = f"the plan kept in force ({why}) does not fit it with {schedule}"
+            raise measured_limit_error(gb_limit, need, window=window, finding=finding)
+
     def decide(profile: Profile) -> MeasuredSplit | None:
         if profile.parts is None:
+            check_kept("no per-part costs")
             return None
         if run.recompute.auto:  # its per-stage choices were planned with the start-up split, not re-planned here
+            check_kept("--recompute-granularity auto chose per stage for it")
             if ctx.rank == 0:
                 log("layer split kept: --recompute-granularity auto chose per stage for the start-up split")
             return None
         limit = replanner.replan.mem_limit if replanner.replan is not None else None
+        if gb_limit is not None:
+            limit = gb_limit if limit is None else min(limit, gb_limit)
         try:  # deterministic in the agreed profile: every rank decides alike
             decision = measured_layer_split(profile, layout, num_microbatches=run.num_microbatches, mem_limit=limit)
+        except PlannerError as err:
+            need = kept_need()
+            # the measured memory proves the user's limit impossible: no split fits, nor does the plan in force
+            if err.smallest is not None and limit == gb_limit and (need is None or need > gb_limit):
+                hint = "" if run.recompute.enabled else " or let stages recompute (--recompute-granularity auto)"
+                finding = f"no layer split fits it with {schedule} (the analytic model underestimated the activations)"
+                smallest = err.smallest if need is None else min(err.smallest, need)
+                raise measured_limit_error(gb_limit, smallest, window=window, finding=finding, hint=hint) from None
+            if ctx.rank == 0:
+                log(f"layer split kept: {str(err).splitlines()[0]}")
+            return None
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: {str(err).splitlines()[0]}")

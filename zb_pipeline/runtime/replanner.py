@@ -31,7 +31,17 @@ if TYPE_CHECKING:
     from zb_pipeline.runtime.executor import PipelineExecutor
     from zb_pipeline.schedule.lowering import LoweredSchedule
 
-__all__ = ["Replan", "WindowReplanner", "adaptive_mem_limit", "regenerate", "switch_plan"]
+__all__ = ["MeasuredLimitError", "Replan", "WindowReplanner", "adaptive_mem_limit", "regenerate", "switch_plan"]
+
+
+class MeasuredLimitError(ValueError):
+    """At the end of the profiling window no plan of the schedule fits the memory limit under the measured
+    activations.  ``str()`` is one line naming the limit (``flag``), the window and the generator's answer (which
+    names the smallest limit that works).  Every rank holds the same profile and limit, so every rank raises it."""
+
+    def __init__(self, message: str, *, limit: float) -> None:
+        super().__init__(message)
+        self.limit = limit
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,7 @@ class WindowReplanner:
     save_path: str | None = None
     log: Callable[[str], None] = print
     broadcast_src: int | None = 0  # global rank whose profile every rank adopts (None: keep the group's own)
+    limit_flag: str = "the memory limit"  # how the user gave the limit (named by ``MeasuredLimitError``)
     stage_layers: tuple[int, ...] = ()  # layers per virtual stage, recorded in the profile (the stage planner's input)
     # Collective on every rank after the gather: the profile's ``parts`` entry (per-part costs measured by the
     # model's own timer, e.g. megatron.pipeline.part_timer), or None; it travels with the agreed profile.
@@ -171,7 +182,19 @@ class WindowReplanner:
         profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
         self.profile = profile
         current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
-        replan = regenerate(profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit)
+        try:
+            replan = regenerate(
+                profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit
+            )
+        except ValueError as err:
+            if limit is None:
+                raise
+            first = str(err).splitlines()[0]
+            raise MeasuredLimitError(
+                f"{self.limit_flag} ({limit:.0f} bytes per rank): the activations measured in the profiling window "
+                f"(iterations {self.start_iter}-{self.end_iter - 1}) leave no {self.name} plan within it: {first}",
+                limit=limit,
+            ) from None
         if self.runtime is not None:
             self.runtime.switch_plan(self.runtime.plans.replanned(costs=replan.costs, mem_limit=limit))
         else:
