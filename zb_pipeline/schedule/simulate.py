@@ -192,7 +192,12 @@ def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[lis
     step = 3 * m  # key distance between neighbouring stages
 
     done_time = [-1.0] * (S * m * 3)  # event key -> end time (-1: not yet)
-    done_rank = [0] * (S * m * 3)  # event key -> rank that produced it
+    # Every event is produced on its stage's rank (_check_plan), so whether a dependency crosses ranks is a fact of
+    # the stages: of stage s - 1 (an F's input) and of stage s + 1 (a backward's gradient).
+    owner = schedule.stage_to_rank
+    cross_prev = [s > 0 and owner[s - 1] != owner[s] for s in range(S)]
+    cross_next = [s < S - 1 and owner[s + 1] != owner[s] for s in range(S)]
+    last = S - 1
     waiting: dict[int, list[int]] = {}  # event key -> ranks blocked on it
     blocked_on: list[int] = [-1] * p
     pos = [0] * p
@@ -227,7 +232,7 @@ def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[lis
                     blocked_on[r] = missing
                     break
                 for d in deps:
-                    t = done_time[d] + (comm if done_rank[d] != r else 0.0)
+                    t = done_time[d] + (comm if owner[d // step] != r else 0.0)
                     if t > start:
                         start = t
                 dur = costs.pair(fa.stage, ba.stage)
@@ -239,65 +244,86 @@ def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[lis
                 work += dur
                 for key in (fbase + _SLOT_F, bbase + _SLOT_G, bbase + _SLOT_W):
                     done_time[key] = end
-                    done_rank[key] = r
                     if key in waiting:
                         ready.extend(waiting.pop(key))
                 i += 1
                 continue
             s = a.stage
             base = (s * m + a.microbatch) * 3
-            # dep1 / dep2: event keys this action waits for (-1: none).
+            start = t_rank
+            # Wait for the dependencies (``dep``: the event not produced yet), then produce ``key`` (and ``key2``).
+            # The event of another stage adds ``comm`` if that stage lives on another rank.
+            key2 = -1
             if k is _F:
-                dep1, dep2, dur = (base - step if s > 0 else -1), -1, f_cost[s]
+                if s > 0:
+                    t = done_time[base - step]
+                    if t < 0:
+                        dep = base - step
+                        waiting.setdefault(dep, []).append(r)
+                        blocked_on[r] = dep
+                        break
+                    if cross_prev[s]:
+                        t += comm
+                    if t > start:
+                        start = t
+                dur = f_cost[s]
+                key = base
             elif k is _W:
-                dep1, dep2, dur = base + _SLOT_G, -1, w_cost[s]
+                t = done_time[base + _SLOT_G]
+                if t < 0:
+                    dep = base + _SLOT_G
+                    waiting.setdefault(dep, []).append(r)
+                    blocked_on[r] = dep
+                    break
+                if t > start:
+                    start = t
+                dur = w_cost[s]
+                key = base + _SLOT_W
             elif k is _B or k is _BW:
-                dep1 = base  # own F
-                dep2 = base + step + _SLOT_G if s < S - 1 else -1
-                dur = b_cost[s] if k is _B else b_cost[s] + w_cost[s]
+                t = done_time[base]  # own F
+                if t < 0:
+                    waiting.setdefault(base, []).append(r)
+                    blocked_on[r] = base
+                    break
+                if t > start:
+                    start = t
+                if s < last:
+                    t = done_time[base + step + _SLOT_G]
+                    if t < 0:
+                        dep = base + step + _SLOT_G
+                        waiting.setdefault(dep, []).append(r)
+                        blocked_on[r] = dep
+                        break
+                    if cross_next[s]:
+                        t += comm
+                    if t > start:
+                        start = t
+                key = base + _SLOT_G
+                if k is _B:
+                    dur = b_cost[s]
+                else:
+                    dur = b_cost[s] + w_cost[s]
+                    key2 = base + _SLOT_W
             else:  # communication: modelled by costs.comm
                 i += 1
                 continue
-            start = t_rank
-            if dep1 >= 0:
-                t = done_time[dep1]
-                if t < 0:
-                    waiting.setdefault(dep1, []).append(r)
-                    blocked_on[r] = dep1
-                    break
-                if done_rank[dep1] != r:
-                    t += comm
-                if t > start:
-                    start = t
-            if dep2 >= 0:
-                t = done_time[dep2]
-                if t < 0:
-                    waiting.setdefault(dep2, []).append(r)
-                    blocked_on[r] = dep2
-                    break
-                if done_rank[dep2] != r:
-                    t += comm
-                if t > start:
-                    start = t
             end = start + dur
             put_i(i)
             put_s(start)
             put_e(end)
             t_rank = end
             work += dur
-            if k is _F:
-                produced: tuple[int, ...] = (base,)
-            elif k is _B:
-                produced = (base + _SLOT_G,)
-            elif k is _W:
-                produced = (base + _SLOT_W,)
-            else:
-                produced = (base + _SLOT_G, base + _SLOT_W)
-            for key in produced:
-                done_time[key] = end
-                done_rank[key] = r
-                if key in waiting:
-                    ready.extend(waiting.pop(key))
+            done_time[key] = end
+            if waiting:
+                woken = waiting.pop(key, None)
+                if woken:
+                    ready.extend(woken)
+            if key2 >= 0:
+                done_time[key2] = end
+                if waiting:
+                    woken = waiting.pop(key2, None)
+                    if woken:
+                        ready.extend(woken)
             i += 1
         pos[r] = i
         clock[r] = t_rank
