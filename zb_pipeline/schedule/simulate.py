@@ -128,14 +128,15 @@ def _check_plan(schedule: Schedule) -> None:
                 todo = (step,)
             for a in todo:
                 k, s, mb = a.kind, a.stage, a.microbatch
+                # The event slots this action produces: slot and slot2 (-1: none).
                 if k is _F:
-                    slots: tuple[int, ...] = (_SLOT_F,)
+                    slot, slot2 = _SLOT_F, -1
                 elif k is _B:
-                    slots = (_SLOT_G,)
+                    slot, slot2 = _SLOT_G, -1
                 elif k is _W:
-                    slots = (_SLOT_W,)
+                    slot, slot2 = _SLOT_W, -1
                 elif k is _BW:
-                    slots = (_SLOT_G, _SLOT_W)
+                    slot, slot2 = _SLOT_G, _SLOT_W
                 else:
                     continue
                 if s >= S or mb >= m:
@@ -145,13 +146,12 @@ def _check_plan(schedule: Schedule) -> None:
                 if placement[s] != r:
                     raise ValueError(f"rank {r} position {i}: {a} belongs to stage {s} on rank {placement[s]}")
                 base = (s * m + mb) * 3
-                for slot in slots:
-                    if seen[base + slot]:
-                        what = ("F", "B", "W")[slot]
-                        raise ValueError(
-                            f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}"
-                        )
-                    seen[base + slot] = 1
+                if seen[base + slot] or (slot2 >= 0 and seen[base + slot2]):
+                    what = ("F", "B", "W")[slot if seen[base + slot] else slot2]
+                    raise ValueError(f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}")
+                seen[base + slot] = 1
+                if slot2 >= 0:
+                    seen[base + slot2] = 1
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[float] | None = None) -> SimResult:
