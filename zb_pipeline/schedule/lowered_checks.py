@@ -107,6 +107,7 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                 continue
             batch_tids: list[int] = []
             ops.tids[r][j] = batch_tids
+            here = r * _BIG + j  # one int per batch, shared by its ops' entries in sent / recvd
             for a in st.actions:
                 if type(a) is not Action:
                     raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
@@ -115,7 +116,7 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                     _check_pv_op(lowered, r, j, a, sent if kind is _SEND_PV else recvd, pv_base)
                     is_send = kind is _SEND_PV
                     tid = pv_base + mb * p + (r if is_send else peer)
-                    (sent if is_send else recvd)[tid] = r * _BIG + j
+                    (sent if is_send else recvd)[tid] = here
                     if is_send:
                         sends[r * p + peer].append(tid)
                     else:
@@ -138,12 +139,12 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                 if is_send:
                     if sent[tid] >= 0 or data[sm] > j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
-                    sent[tid] = r * _BIG + j
+                    sent[tid] = here
                     sends[r * p + peer].append(tid)
                 else:
                     if recvd[tid] >= 0 or data[sm] < j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
-                    recvd[tid] = r * _BIG + j
+                    recvd[tid] = here
                     recvs[peer * p + r].append(tid)
                 batch_tids.append(tid)
     return ops

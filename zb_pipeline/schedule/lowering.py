@@ -60,6 +60,7 @@ never prevents a match; we do not do it, so a receive's completion never waits o
 from __future__ import annotations
 
 import gc
+from bisect import bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -408,12 +409,13 @@ def _lower(schedule: Schedule, order: EventOrder | None) -> LoweredSchedule:
         end_r = order.end[r]
         steps: list[LoweredStep] = []
         add = steps.append
-        i, j, n_acts, n_ops = 0, 0, len(acts), len(ops)
+        i, j, n_ops = 0, 0, len(ops)
         while j < n_ops:
             t = ops[j][0] >> shift
-            while i < n_acts and end_r[i] <= t:
-                add(acts[i])
-                i += 1
+            i2 = bisect_right(end_r, t, i)  # end times increase along a rank
+            if i2 > i:
+                steps.extend(acts[i:i2])
+                i = i2
             k = j + 1
             while k < n_ops and ops[k][0] >> shift == t:
                 k += 1
