@@ -71,7 +71,7 @@ class SimResult:
     bubble_rate: float  # 1 - max_rank(total compute) / makespan
     peak_memory: tuple[float, ...]  # per rank, under StageCosts' mem deltas
     rank_compute: tuple[float, ...] = ()  # total busy time per rank
-    _times: tuple[_RankTimes, ...] = field(default=(), repr=False)  # per rank (see _RankTimes); built by simulate
+    _times: tuple[_RankTimes, ...] = field(default=(), repr=False, hash=False)  # per rank (_RankTimes), by simulate
     _by_action: dict[PlanAction, TimedAction] = field(default_factory=dict, repr=False, compare=False)
 
     @property
