@@ -303,7 +303,11 @@ def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while building many small acyclic objects.
 
     Lowering a p = 64, m = 512 plan allocates ~10^6 tuples and actions; the collector's repeated scans of them
-    would cost more than the work itself (about 3x here).  Nothing built here forms reference cycles.
+    would cost more than the work itself (about 3x here).  Nothing built here forms reference cycles.  On the way
+    out, what was built is moved to the oldest generation unscanned (``gc.freeze`` then ``gc.unfreeze``; only when
+    nobody else froze objects): otherwise the first collections after re-enabling would scan every object made here
+    once more (about 10 s for p = 512, m = 2048).  Nothing is left frozen, and cycles are still collected (by the next
+    full collection).
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -311,6 +315,9 @@ def no_gc() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
