@@ -57,6 +57,8 @@ class Kind(str, Enum):
 _COMPUTE = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR})
 COMPUTE_KINDS: frozenset[Kind] = _COMPUTE
 _PAIR = Kind.PAIR
+_F, _B, _W, _BW = Kind.F, Kind.B, Kind.W, Kind.BW
+_new = object.__new__
 
 
 @dataclass(frozen=True)
@@ -123,11 +125,14 @@ class Action:
     def __post_init__(self) -> None:
         if self.stage < 0 or self.microbatch < 0:
             raise ValueError(f"action stage and microbatch must be >= 0, got {self.stage=} {self.microbatch=}")
-        if self.kind.is_compute and self.peer is not None:
-            raise ValueError(f"compute action {self.kind.value} takes no peer, got peer={self.peer}")
-        if self.kind.is_comm and self.peer is None:
-            raise ValueError(f"communication action {self.kind.value} needs a peer rank")
-        if self.kind is _PAIR:
+        kind = self.kind
+        # The plain compute kinds by identity first (hashing a str Enum for the set lookup is slow).
+        compute = kind is _F or kind is _B or kind is _W or kind is _BW or kind.is_compute
+        if compute and self.peer is not None:
+            raise ValueError(f"compute action {kind.value} takes no peer, got peer={self.peer}")
+        if not compute and self.peer is None:
+            raise ValueError(f"communication action {kind.value} needs a peer rank")
+        if kind is _PAIR:
             raise ValueError("an overlapped F+BW pair is a PairAction(forward, backward), not an Action")
 
     def __str__(self) -> str:
@@ -208,20 +213,50 @@ def halves(step: PlanAction) -> tuple[Action, ...]:
     return (step,)
 
 
+# Slot setters of Action: building an action field by field skips __init__'s and __post_init__'s general checks.
+_SET_STAGE, _SET_KIND, _SET_MB, _SET_PEER = (
+    Action.__dict__[f].__set__ for f in ("stage", "kind", "microbatch", "peer")
+)
+
+
+def unchecked_action(stage: int, kind: Kind | CustomKind, microbatch: int, peer: int | None = None) -> Action:
+    """``Action(stage, kind, microbatch, peer)`` without checking its fields: only for passes that build actions
+    valid by construction (lowering creates millions of them for p = 512, m = 2048)."""
+    a = _new(Action)
+    _SET_STAGE(a, stage)
+    _SET_KIND(a, kind)
+    _SET_MB(a, microbatch)
+    _SET_PEER(a, peer)
+    return a
+
+
+def _compute_action(stage: int, kind: Kind, mb: int) -> Action:
+    """``Action(stage, kind, mb)`` for a built-in compute kind: the same checks, without ``__post_init__``'s general
+    ones (generators build millions of these)."""
+    if stage < 0 or mb < 0:
+        raise ValueError(f"action stage and microbatch must be >= 0, got self.stage={stage!r} self.microbatch={mb!r}")
+    a = _new(Action)
+    _SET_STAGE(a, stage)
+    _SET_KIND(a, kind)
+    _SET_MB(a, mb)
+    _SET_PEER(a, None)
+    return a
+
+
 def F(stage: int, mb: int) -> Action:  # noqa: N802 - reads like the IR
-    return Action(stage, Kind.F, mb)
+    return _compute_action(stage, _F, mb)
 
 
 def B(stage: int, mb: int) -> Action:  # noqa: N802
-    return Action(stage, Kind.B, mb)
+    return _compute_action(stage, _B, mb)
 
 
 def W(stage: int, mb: int) -> Action:  # noqa: N802
-    return Action(stage, Kind.W, mb)
+    return _compute_action(stage, _W, mb)
 
 
 def BW(stage: int, mb: int) -> Action:  # noqa: N802
-    return Action(stage, Kind.BW, mb)
+    return _compute_action(stage, _BW, mb)
 
 
 def loop_placement(num_ranks: int, chunks: int = 1) -> tuple[int, ...]:

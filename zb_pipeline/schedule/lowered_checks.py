@@ -21,6 +21,7 @@ _SEND_PV, _RECV_PV = Kind.SEND_PV, Kind.RECV_PV
 _F, _B, _BW, _W, _PAIR = Kind.F, Kind.B, Kind.BW, Kind.W, Kind.PAIR
 # Where a transfer was posted: rank * _BIG + step.
 _BIG = 1 << 32
+_STEP = _BIG - 1  # pos & _STEP is the step
 
 
 def check_lowered_comms(lowered: LoweredSchedule) -> None:
@@ -34,7 +35,8 @@ def check_lowered_comms(lowered: LoweredSchedule) -> None:
     if _check_pv_complete(lowered, ops.sent, ops.recvd, ops.pv_base):
         _check_pv_placement(lowered)
     _match_in_order(lowered, ops)
-    _simulate_strict(lowered, ops.partner)
+    ops.sends = ops.recvs = {}  # not needed past the matching
+    _simulate_strict(lowered, ops)
 
 
 def _compute_steps(lowered: LoweredSchedule) -> tuple[list[int], list[int]]:
@@ -75,11 +77,13 @@ class _Ops:
     pv_base: int
     sent: list[int]  # transfer id -> rank * _BIG + step of its send (-1: none)
     recvd: list[int]  # transfer id -> rank * _BIG + step of its receive (-1: none)
-    # src * p + dst -> [(transfer id, step, slot)] in posting order, only for pairs of ranks that talk (a dict, not a
-    # p x p table: a plan's cost stays O(actions + messages) however many ranks it has).
-    sends: dict[int, list[tuple[int, int, int]]]
-    recvs: dict[int, list[tuple[int, int, int]]]
-    partner: list[list[list | None]] = field(default_factory=list)  # [rank][step][slot] -> the matching op
+    # src * p + dst -> transfer ids in posting order, only for pairs of ranks that talk (a dict, not a p x p table:
+    # a plan's cost stays O(actions + messages) however many ranks it has).
+    sends: dict[int, list[int]]
+    recvs: dict[int, list[int]]
+    # [rank][step] -> the transfer ids of a batch's ops in slot order (None: a compute step); an op's partner is the
+    # other end of its transfer (sent / recvd).
+    tids: list[list[list[int] | None]] = field(default_factory=list)
 
 
 def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -> _Ops:
@@ -101,8 +105,10 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
         for j, st in enumerate(steps):
             if type(st) is not CommBatch:
                 continue
-            ops.partner[r][j] = [None] * len(st.actions)
-            for slot, a in enumerate(st.actions):
+            batch_tids: list[int] = []
+            ops.tids[r][j] = batch_tids
+            here = r * _BIG + j  # one int per batch, shared by its ops' entries in sent / recvd
+            for a in st.actions:
                 if type(a) is not Action:
                     raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
                 kind, s, mb, peer = a.kind, a.stage, a.microbatch, a.peer
@@ -110,11 +116,12 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                     _check_pv_op(lowered, r, j, a, sent if kind is _SEND_PV else recvd, pv_base)
                     is_send = kind is _SEND_PV
                     tid = pv_base + mb * p + (r if is_send else peer)
-                    (sent if is_send else recvd)[tid] = r * _BIG + j
+                    (sent if is_send else recvd)[tid] = here
                     if is_send:
-                        sends[r * p + peer].append((tid, j, slot))
+                        sends[r * p + peer].append(tid)
                     else:
-                        recvs[peer * p + r].append((tid, j, slot))
+                        recvs[peer * p + r].append(tid)
+                    batch_tids.append(tid)
                     continue
                 sm = s * m + mb
                 if kind is _SEND_F:
@@ -132,13 +139,14 @@ def _collect_ops(lowered: LoweredSchedule, fstep: list[int], gstep: list[int]) -
                 if is_send:
                     if sent[tid] >= 0 or data[sm] > j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
-                    sent[tid] = r * _BIG + j
-                    sends[r * p + peer].append((tid, j, slot))
+                    sent[tid] = here
+                    sends[r * p + peer].append(tid)
                 else:
                     if recvd[tid] >= 0 or data[sm] < j:
                         raise _bad_op(lowered, r, j, a, fstep, gstep, sent, recvd)
-                    recvd[tid] = r * _BIG + j
-                    recvs[peer * p + r].append((tid, j, slot))
+                    recvd[tid] = here
+                    recvs[peer * p + r].append(tid)
+                batch_tids.append(tid)
     return ops
 
 
@@ -174,23 +182,29 @@ def _check_handoffs(lowered: LoweredSchedule, ops: _Ops, fstep: list[int], gstep
 
 
 def _match_in_order(lowered: LoweredSchedule, ops: _Ops) -> None:
-    """The k-th send from src to dst is matched with the k-th receive at dst from src; record each op's partner.
+    """The k-th send from src to dst is matched with the k-th receive at dst from src: the same transfer.
     (Both lists have the same length here: every transfer has exactly one send and one receive.)"""
     p = lowered.schedule.num_ranks
-    partner = ops.partner
     for key, sends in sorted(ops.sends.items()):  # (src, dst) order, as a diagnosis reads
+        recvs = ops.recvs.get(key, [])
+        if sends == recvs:
+            continue
         src, dst = divmod(key, p)
-        for k, ((ts, js, ss), (tr, jr, sr)) in enumerate(zip(sends, ops.recvs.get(key, ()))):
+        for k, (ts, tr) in enumerate(zip(sends, recvs)):
             if ts != tr:
-                sa, ra = lowered.ranks[src][js].actions[ss], lowered.ranks[dst][jr].actions[sr]
+                js, jr = ops.sent[ts] & _STEP, ops.recvd[tr] & _STEP
+                sa, ra = _op_of(lowered, ops, src, js, ts), _op_of(lowered, ops, dst, jr, tr)
                 msg = (
                     f"rank {dst} step {jr} ({ra}): receive #{k} from rank {src} is matched (by order, no tags) "
                     f"with send #{k} from rank {src} to rank {dst}, which is {sa} (rank {src} step {js}): the two "
                     "sides post their transfers in different orders"
                 )
                 raise plan_error(lowered, msg, dst, jr)
-            partner[src][js][ss] = (dst, jr, sr)
-            partner[dst][jr][sr] = (src, js, ss)
+
+
+def _op_of(lowered: LoweredSchedule, ops: _Ops, r: int, j: int, tid: int) -> Action:
+    """The op of transfer ``tid`` in rank ``r``'s batch at step ``j`` (diagnosis only)."""
+    return lowered.ranks[r][j].actions[ops.tids[r][j].index(tid)]
 
 
 # ------------------------------------------------------------------------------------------ post-validation
@@ -327,9 +341,10 @@ def _step_str(lowered: LoweredSchedule, r: int, j: int | None) -> str:
     return "?" if j is None or j >= len(lowered.ranks[r]) else str(lowered.ranks[r][j])
 
 
-def _simulate_strict(lowered: LoweredSchedule, partner: list[list[list | None]]) -> None:
+def _simulate_strict(lowered: LoweredSchedule, ops: _Ops) -> None:
     """Run the strict model (no buffering; a batch blocks its rank until all of its ops completed)."""
     ranks = lowered.ranks
+    tids, sent, recvd = ops.tids, ops.sent, ops.recvd
     p = len(ranks)
     ptr = [0] * p
     posted = [False] * p
@@ -338,10 +353,11 @@ def _simulate_strict(lowered: LoweredSchedule, partner: list[list[list | None]])
     while work:
         r = work.pop()
         steps = ranks[r]
+        tids_r = tids[r]
         n = len(steps)
         j = ptr[r]
         while j < n:
-            links = partner[r][j]
+            links = tids_r[j]
             if links is None:  # compute: never blocks
                 j += 1
                 continue
@@ -355,8 +371,13 @@ def _simulate_strict(lowered: LoweredSchedule, partner: list[list[list | None]])
             posted[r] = True
             pending[r] = len(links)
             ptr[r] = j
-            for q, jq, _ in links:
-                if posted[q] and ptr[q] == jq:
+            here = r * _BIG + j
+            for tid in links:
+                there = sent[tid]  # the other end of the transfer
+                if there == here:
+                    there = recvd[tid]
+                q = there >> 32
+                if posted[q] and ptr[q] == there & _STEP:
                     pending[r] -= 1
                     pending[q] -= 1
                     if pending[q] == 0:
@@ -364,21 +385,25 @@ def _simulate_strict(lowered: LoweredSchedule, partner: list[list[list | None]])
         ptr[r] = j
     blocked = [r for r in range(p) if ptr[r] < len(ranks[r])]
     if blocked:
-        _raise_strict_deadlock(lowered, partner, blocked, ptr, posted)
+        _raise_strict_deadlock(lowered, ops, blocked, ptr, posted)
 
 
 def _raise_strict_deadlock(
-    lowered: LoweredSchedule, partner: list[list[list | None]], blocked: list[int], ptr: list[int], posted: list[bool]
+    lowered: LoweredSchedule, ops: _Ops, blocked: list[int], ptr: list[int], posted: list[bool]
 ) -> None:
     ranks = lowered.ranks
     parts = []
     for r in blocked[:MAX_STUCK_LISTED]:
         j = ptr[r]
-        for slot, (q, jq, sq) in enumerate(partner[r][j]):
+        for slot, tid in enumerate(ops.tids[r][j]):
+            there = ops.sent[tid]
+            if there == r * _BIG + j:
+                there = ops.recvd[tid]
+            q, jq = there >> 32, there & _STEP
             if not (posted[q] and ptr[q] == jq):
                 parts.append(
                     f"rank {r} step {j} ({ranks[r][j].actions[slot]}) waits for rank {q} to post "
-                    f"{ranks[q][jq].actions[sq]} at its step {jq}, but rank {q} is blocked at step {ptr[q]} "
+                    f"{_op_of(lowered, ops, q, jq, tid)} at its step {jq}, but rank {q} is blocked at step {ptr[q]} "
                     f"({_step_str(lowered, q, ptr[q])})"
                 )
                 break

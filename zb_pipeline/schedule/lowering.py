@@ -60,11 +60,12 @@ never prevents a match; we do not do it, so a receive's completion never waits o
 from __future__ import annotations
 
 import gc
+from bisect import bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from zb_pipeline.schedule.ir import Action, Kind, PairAction, PlanAction, Schedule
+from zb_pipeline.schedule.ir import Action, Kind, PairAction, PlanAction, Schedule, unchecked_action
 
 # Event slots: key = (stage * m + microbatch) * 3 + slot.
 SLOT_F = 0  # F(s, mb) ended: its activation exists
@@ -74,10 +75,10 @@ COMM_KINDS: frozenset[Kind] = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, 
 # Enum members as plain module constants: the hot loops compare kinds by identity (Enum hashing is slow).
 _F, _B, _W, _BW, _PAIR = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
-_new, _set = object.__new__, object.__setattr__
+_new = object.__new__
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CommBatch:
     """Communication actions that one rank posts together and waits for as a unit."""
 
@@ -94,6 +95,14 @@ class CommBatch:
 
 
 LoweredStep = Action | CommBatch
+_SET_ACTIONS = CommBatch.__dict__["actions"].__set__
+
+
+def _batch(actions: tuple[Action, ...]) -> CommBatch:
+    """``CommBatch(actions)`` for a tuple built here (no copy, no ``__init__``)."""
+    b = _new(CommBatch)
+    _SET_ACTIONS(b, actions)
+    return b
 
 
 @dataclass(frozen=True)
@@ -268,34 +277,25 @@ def event_order(schedule: Schedule) -> EventOrder:
 
 
 def _transfers(
-    a: Action, r: int, e: int, n: int, half: int, num_stages: int, owner: tuple[int, ...], mine: list, comm: list[list]
+    a: Action, r: int, key: int, num_stages: int, owner: tuple[int, ...], mine: list, comm: list[list]
 ) -> None:
-    """For one half of a pair on rank ``r``: the send of its output and the receive at its consumer's rank, both keyed
-    ``(e, n, half)`` (the pair's end and completion index), if the hand-off crosses ranks."""
+    """For one half of a pair on rank ``r``: the send of its output and the receive at its consumer's rank, both with
+    sort key ``key`` (the pair's end, completion index and half; see ``_lower``), if the hand-off crosses ranks."""
     s, mb = a.stage, a.microbatch
     if a.kind is _F:
         if s + 1 < num_stages and owner[s + 1] != r:
             q = owner[s + 1]
-            mine.append((e, n, half, _comm_action(s, _SEND_F, mb, q)))
-            comm[q].append((e, n, half, _comm_action(s + 1, _RECV_F, mb, r)))
+            mine.append((key, _comm_action(s, _SEND_F, mb, q)))
+            comm[q].append((key, _comm_action(s + 1, _RECV_F, mb, r)))
     elif s > 0 and owner[s - 1] != r:  # the BW half
         q = owner[s - 1]
-        mine.append((e, n, half, _comm_action(s, _SEND_B, mb, q)))
-        comm[q].append((e, n, half, _comm_action(s - 1, _RECV_B, mb, r)))
+        mine.append((key, _comm_action(s, _SEND_B, mb, q)))
+        comm[q].append((key, _comm_action(s - 1, _RECV_B, mb, r)))
 
 
-def _comm_action(stage: int, kind: Kind, microbatch: int, peer: int) -> Action:
-    """``Action(stage, kind, microbatch, peer)`` without re-checking its fields.
-
-    Lowering creates one of these per transfer end (hundreds of thousands for p = 64, m = 512), all valid by
-    construction; skipping ``Action.__post_init__`` roughly halves the cost of ``lower``.
-    """
-    a = _new(Action)
-    _set(a, "stage", stage)
-    _set(a, "kind", kind)
-    _set(a, "microbatch", microbatch)
-    _set(a, "peer", peer)
-    return a
+# ``Action(stage, kind, microbatch, peer)`` without re-checking its fields: lowering creates one per transfer end
+# (millions for p = 512, m = 2048), all valid by construction.
+_comm_action = unchecked_action
 
 
 @contextmanager
@@ -303,7 +303,11 @@ def no_gc() -> Iterator[None]:
     """Pause the cyclic garbage collector while building many small acyclic objects.
 
     Lowering a p = 64, m = 512 plan allocates ~10^6 tuples and actions; the collector's repeated scans of them
-    would cost more than the work itself (about 3x here).  Nothing built here forms reference cycles.
+    would cost more than the work itself (about 3x here).  Nothing built here forms reference cycles.  On the way
+    out, what was built is moved to the oldest generation unscanned (``gc.freeze`` then ``gc.unfreeze``; only when
+    nobody else froze objects): otherwise the first collections after re-enabling would scan every object made here
+    once more (about 10 s for p = 512, m = 2048).  Nothing is left frozen, and cycles are still collected (by the next
+    full collection).
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -311,6 +315,9 @@ def no_gc() -> Iterator[None]:
         yield
     finally:
         if was_enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()
 
 
@@ -371,9 +378,11 @@ def _lower(schedule: Schedule, order: EventOrder | None) -> LoweredSchedule:
             f"run check_and_lower() for the full diagnosis"
         )
     S, owner = schedule.num_stages, schedule.stage_to_rank
-    # Per rank: (end, seq, half, op) of every comm op it takes part in.  (seq, half) is unique within a rank (each
-    # producer makes at most one transfer; a pair's two halves one each), so sorting never compares the actions.
-    comm: list[list[tuple[int, int, int, Action]]] = [[] for _ in range(schedule.num_ranks)]
+    # Per rank: (key, op) of every comm op it takes part in, key = (end << shift) | (seq << 1) | half: the order of
+    # (end, seq, half) as one int.  (seq, half) is unique within a rank (each producer makes at most one transfer; a
+    # pair's two halves one each), so sorting never compares the actions.
+    shift = (2 * sum(map(len, schedule.ranks)) + 2).bit_length()
+    comm: list[list[tuple[int, Action]]] = [[] for _ in range(schedule.num_ranks)]
     for r, acts in enumerate(schedule.ranks):
         end_r, seq_r = order.end[r], order.seq[r]
         mine = comm[r]
@@ -384,36 +393,40 @@ def _lower(schedule: Schedule, order: EventOrder | None) -> LoweredSchedule:
                 if s + 1 < S:
                     q = owner[s + 1]
                     if q != r:
-                        e, n, mb = end_r[i], seq_r[i], a.microbatch
-                        mine.append((e, n, 0, _comm_action(s, _SEND_F, mb, q)))
-                        comm[q].append((e, n, 0, _comm_action(s + 1, _RECV_F, mb, r)))
+                        key, mb = (end_r[i] << shift) | (seq_r[i] << 1), a.microbatch
+                        mine.append((key, _comm_action(s, _SEND_F, mb, q)))
+                        comm[q].append((key, _comm_action(s + 1, _RECV_F, mb, r)))
             elif kind is _PAIR:  # both halves' outputs leave at the pair's end: the forward's first
-                _transfers(a.forward, r, end_r[i], seq_r[i], 0, S, owner, mine, comm)
-                _transfers(a.backward, r, end_r[i], seq_r[i], 1, S, owner, mine, comm)
+                key = (end_r[i] << shift) | (seq_r[i] << 1)
+                _transfers(a.forward, r, key, S, owner, mine, comm)
+                _transfers(a.backward, r, key | 1, S, owner, mine, comm)
             elif kind is not _W and a.stage > 0:  # B or BW
                 s = a.stage
                 q = owner[s - 1]
                 if q != r:
-                    e, n, mb = end_r[i], seq_r[i], a.microbatch
-                    mine.append((e, n, 0, _comm_action(s, _SEND_B, mb, q)))
-                    comm[q].append((e, n, 0, _comm_action(s - 1, _RECV_B, mb, r)))
+                    key, mb = (end_r[i] << shift) | (seq_r[i] << 1), a.microbatch
+                    mine.append((key, _comm_action(s, _SEND_B, mb, q)))
+                    comm[q].append((key, _comm_action(s - 1, _RECV_B, mb, r)))
 
     ranks: list[tuple[LoweredStep, ...]] = []
     for r, acts in enumerate(schedule.ranks):
         ops = comm[r]
         ops.sort()
+        comm[r] = []  # this rank's ops now live in its batches
         end_r = order.end[r]
         steps: list[LoweredStep] = []
-        i, j, n_acts, n_ops = 0, 0, len(acts), len(ops)
+        add = steps.append
+        i, j, n_ops = 0, 0, len(ops)
         while j < n_ops:
-            t = ops[j][0]
-            while i < n_acts and end_r[i] <= t:
-                steps.append(acts[i])
-                i += 1
+            t = ops[j][0] >> shift
+            i2 = bisect_right(end_r, t, i)  # end times increase along a rank
+            if i2 > i:
+                steps.extend(acts[i:i2])
+                i = i2
             k = j + 1
-            while k < n_ops and ops[k][0] == t:
+            while k < n_ops and ops[k][0] >> shift == t:
                 k += 1
-            steps.append(CommBatch(tuple([op[3] for op in ops[j:k]])))
+            add(_batch(tuple([op[1] for op in ops[j:k]])))
             j = k
         steps.extend(acts[i:])
         ranks.append(tuple(steps))

@@ -22,8 +22,10 @@ Communication actions in ``schedule.ranks`` (if any) are skipped: their time is 
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Action, Kind, PlanAction, Schedule
@@ -36,10 +38,9 @@ _SLOT_G = 1  # input gradient of (s, mb) ready: B or BW ended
 _SLOT_W = 2  # W(s, mb) ended (or the W half of a BW)
 # Enum members as plain constants: the loop compares kinds by identity (hashing a str Enum is slow).
 _F, _B, _W, _BW, _PAIR = Kind.F, Kind.B, Kind.W, Kind.BW, Kind.PAIR
-_new, _set = object.__new__, object.__setattr__
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TimedAction:
     """One compute action with its simulated start and end time."""
 
@@ -54,12 +55,10 @@ class TimedAction:
         return self.end - self.start
 
 
-def _timed(rank: int, index: int, action: PlanAction, start: float, end: float) -> TimedAction:
-    """``TimedAction(...)`` without the frozen dataclass's per-field ``__init__`` overhead (hot loop)."""
-    ta = _new(TimedAction)
-    d = ta.__dict__
-    d["rank"], d["index"], d["action"], d["start"], d["end"] = rank, index, action, start, end
-    return ta
+# One rank's run, kept compact until someone reads the timeline: the position in the rank's plan, the start and the
+# end of each compute action it ran, in execution order (a p = 512, m = 2048 plan has 3 million of them; most callers
+# read only the makespan and the bubble).
+_RankTimes = tuple[array, array, array]
 
 
 @dataclass(frozen=True)
@@ -67,13 +66,25 @@ class SimResult:
     """What the simulator reports for one plan under one set of costs."""
 
     schedule: Schedule
-    timeline: tuple[tuple[TimedAction, ...], ...]  # per rank, in execution order (compute actions only)
     rank_span: tuple[float, ...]  # end of last action - start of first, per rank
     makespan: float  # max rank_span
     bubble_rate: float  # 1 - max_rank(total compute) / makespan
     peak_memory: tuple[float, ...]  # per rank, under StageCosts' mem deltas
     rank_compute: tuple[float, ...] = ()  # total busy time per rank
+    _times: tuple[_RankTimes, ...] = field(default=(), repr=False, hash=False)  # per rank (_RankTimes), by simulate
     _by_action: dict[PlanAction, TimedAction] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def timeline(self) -> tuple[tuple[TimedAction, ...], ...]:
+        """Per rank, the timed compute actions in execution order (built on first use, then kept)."""
+        got = self.__dict__.get("_timeline")
+        if got is None:
+            got = tuple(
+                tuple(map(TimedAction, repeat(r, len(idx)), idx, map(acts.__getitem__, idx), starts, ends))
+                for r, (acts, (idx, starts, ends)) in enumerate(zip(self.schedule.ranks, self._times))
+            )
+            self.__dict__["_timeline"] = got
+        return got
 
     def timed(self, action: PlanAction) -> TimedAction:
         """The timed entry of ``action`` (a half of a pair: the pair's entry; the lookup table is built on first
@@ -98,7 +109,7 @@ class SimResult:
     @property
     def end_time(self) -> float:
         """The time the last action of the whole plan ends (all ranks start their clocks at 0)."""
-        return max((tl[-1].end for tl in self.timeline if tl), default=0.0)
+        return max((ends[-1] for _, _, ends in self._times if ends), default=0.0)
 
 
 def _check_plan(schedule: Schedule) -> None:
@@ -117,14 +128,15 @@ def _check_plan(schedule: Schedule) -> None:
                 todo = (step,)
             for a in todo:
                 k, s, mb = a.kind, a.stage, a.microbatch
+                # The event slots this action produces: slot and slot2 (-1: none).
                 if k is _F:
-                    slots: tuple[int, ...] = (_SLOT_F,)
+                    slot, slot2 = _SLOT_F, -1
                 elif k is _B:
-                    slots = (_SLOT_G,)
+                    slot, slot2 = _SLOT_G, -1
                 elif k is _W:
-                    slots = (_SLOT_W,)
+                    slot, slot2 = _SLOT_W, -1
                 elif k is _BW:
-                    slots = (_SLOT_G, _SLOT_W)
+                    slot, slot2 = _SLOT_G, _SLOT_W
                 else:
                     continue
                 if s >= S or mb >= m:
@@ -134,13 +146,12 @@ def _check_plan(schedule: Schedule) -> None:
                 if placement[s] != r:
                     raise ValueError(f"rank {r} position {i}: {a} belongs to stage {s} on rank {placement[s]}")
                 base = (s * m + mb) * 3
-                for slot in slots:
-                    if seen[base + slot]:
-                        what = ("F", "B", "W")[slot]
-                        raise ValueError(
-                            f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}"
-                        )
-                    seen[base + slot] = 1
+                if seen[base + slot] or (slot2 >= 0 and seen[base + slot2]):
+                    what = ("F", "B", "W")[slot if seen[base + slot] else slot2]
+                    raise ValueError(f"rank {r} position {i}: {a} repeats the {what} work of stage {s} microbatch {mb}")
+                seen[base + slot] = 1
+                if slot2 >= 0:
+                    seen[base + slot2] = 1
 
 
 def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[float] | None = None) -> SimResult:
@@ -154,44 +165,52 @@ def simulate(schedule: Schedule, costs: StageCosts, *, rank_start: Sequence[floa
     if rank_start is not None and len(rank_start) != p:
         raise ValueError(f"rank_start has {len(rank_start)} entries, the plan has {p} ranks")
     clock = [0.0] * p if rank_start is None else [float(t) for t in rank_start]
-    with no_gc():  # one timed entry per action, none in a cycle: the collector's scans would cost more than the run
-        timelines, busy = _run(schedule, costs, clock)
-    spans = [tl[-1].end - tl[0].start if tl else 0.0 for tl in timelines]
+    with no_gc():  # many small objects, none in a cycle: the collector's scans would cost more than the run
+        times, busy = _run(schedule, costs, clock)
+        peaks = peak_memory(schedule, costs)
+    spans = [ends[-1] - starts[0] if ends else 0.0 for _, starts, ends in times]
     makespan = max(spans, default=0.0)
     bubble = 1.0 - max(busy) / makespan if makespan > 0 else 0.0
     return SimResult(
         schedule=schedule,
-        timeline=tuple(tuple(tl) for tl in timelines),
         rank_span=tuple(spans),
         makespan=makespan,
         bubble_rate=bubble,
-        peak_memory=peak_memory(schedule, costs),
+        peak_memory=peaks,
         rank_compute=tuple(busy),
+        _times=tuple(times),
     )
 
 
-def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[list[list[TimedAction]], list[float]]:
+def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[list[_RankTimes], list[float]]:
     """The event-driven pass: each rank runs until it waits for an event not yet produced, and resumes when it is.
-    Returns per rank its timeline and its busy time; ``ValueError`` names what the stuck ranks wait for."""
+    Returns per rank its times (``_RankTimes``) and its busy time; ``ValueError`` names what the stuck ranks wait
+    for."""
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     comm = costs.comm
     f_cost, b_cost, w_cost = costs.f, costs.b, costs.w
     step = 3 * m  # key distance between neighbouring stages
 
     done_time = [-1.0] * (S * m * 3)  # event key -> end time (-1: not yet)
-    done_rank = [0] * (S * m * 3)  # event key -> rank that produced it
+    # Every event is produced on its stage's rank (_check_plan), so whether a dependency crosses ranks is a fact of
+    # the stages: of stage s - 1 (an F's input) and of stage s + 1 (a backward's gradient).
+    owner = schedule.stage_to_rank
+    cross_prev = [s > 0 and owner[s - 1] != owner[s] for s in range(S)]
+    cross_next = [s < S - 1 and owner[s + 1] != owner[s] for s in range(S)]
+    last = S - 1
     waiting: dict[int, list[int]] = {}  # event key -> ranks blocked on it
     blocked_on: list[int] = [-1] * p
     pos = [0] * p
     busy = [0.0] * p
-    timelines: list[list[TimedAction]] = [[] for _ in range(p)]
+    times: list[_RankTimes] = [(array("l"), array("d"), array("d")) for _ in range(p)]
 
     ready = list(range(p - 1, -1, -1))
     while ready:
         r = ready.pop()
         blocked_on[r] = -1
         acts = schedule.ranks[r]
-        out = timelines[r]
+        idx_r, starts_r, ends_r = times[r]
+        put_i, put_s, put_e = idx_r.append, starts_r.append, ends_r.append
         i = pos[r]
         t_rank = clock[r]
         work = busy[r]
@@ -213,73 +232,98 @@ def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[lis
                     blocked_on[r] = missing
                     break
                 for d in deps:
-                    t = done_time[d] + (comm if done_rank[d] != r else 0.0)
+                    t = done_time[d] + (comm if owner[d // step] != r else 0.0)
                     if t > start:
                         start = t
                 dur = costs.pair(fa.stage, ba.stage)
                 end = start + dur
-                out.append(_timed(r, i, a, start, end))
+                put_i(i)
+                put_s(start)
+                put_e(end)
                 t_rank = end
                 work += dur
                 for key in (fbase + _SLOT_F, bbase + _SLOT_G, bbase + _SLOT_W):
                     done_time[key] = end
-                    done_rank[key] = r
                     if key in waiting:
                         ready.extend(waiting.pop(key))
                 i += 1
                 continue
             s = a.stage
             base = (s * m + a.microbatch) * 3
-            # dep1 / dep2: event keys this action waits for (-1: none).
+            start = t_rank
+            # Wait for the dependencies (``dep``: the event not produced yet), then produce ``key`` (and ``key2``).
+            # The event of another stage adds ``comm`` if that stage lives on another rank.
+            key2 = -1
             if k is _F:
-                dep1, dep2, dur = (base - step if s > 0 else -1), -1, f_cost[s]
+                if s > 0:
+                    t = done_time[base - step]
+                    if t < 0:
+                        dep = base - step
+                        waiting.setdefault(dep, []).append(r)
+                        blocked_on[r] = dep
+                        break
+                    if cross_prev[s]:
+                        t += comm
+                    if t > start:
+                        start = t
+                dur = f_cost[s]
+                key = base
             elif k is _W:
-                dep1, dep2, dur = base + _SLOT_G, -1, w_cost[s]
+                t = done_time[base + _SLOT_G]
+                if t < 0:
+                    dep = base + _SLOT_G
+                    waiting.setdefault(dep, []).append(r)
+                    blocked_on[r] = dep
+                    break
+                if t > start:
+                    start = t
+                dur = w_cost[s]
+                key = base + _SLOT_W
             elif k is _B or k is _BW:
-                dep1 = base  # own F
-                dep2 = base + step + _SLOT_G if s < S - 1 else -1
-                dur = b_cost[s] if k is _B else b_cost[s] + w_cost[s]
+                t = done_time[base]  # own F
+                if t < 0:
+                    waiting.setdefault(base, []).append(r)
+                    blocked_on[r] = base
+                    break
+                if t > start:
+                    start = t
+                if s < last:
+                    t = done_time[base + step + _SLOT_G]
+                    if t < 0:
+                        dep = base + step + _SLOT_G
+                        waiting.setdefault(dep, []).append(r)
+                        blocked_on[r] = dep
+                        break
+                    if cross_next[s]:
+                        t += comm
+                    if t > start:
+                        start = t
+                key = base + _SLOT_G
+                if k is _B:
+                    dur = b_cost[s]
+                else:
+                    dur = b_cost[s] + w_cost[s]
+                    key2 = base + _SLOT_W
             else:  # communication: modelled by costs.comm
                 i += 1
                 continue
-            start = t_rank
-            if dep1 >= 0:
-                t = done_time[dep1]
-                if t < 0:
-                    waiting.setdefault(dep1, []).append(r)
-                    blocked_on[r] = dep1
-                    break
-                if done_rank[dep1] != r:
-                    t += comm
-                if t > start:
-                    start = t
-            if dep2 >= 0:
-                t = done_time[dep2]
-                if t < 0:
-                    waiting.setdefault(dep2, []).append(r)
-                    blocked_on[r] = dep2
-                    break
-                if done_rank[dep2] != r:
-                    t += comm
-                if t > start:
-                    start = t
             end = start + dur
-            out.append(_timed(r, i, a, start, end))
+            put_i(i)
+            put_s(start)
+            put_e(end)
             t_rank = end
             work += dur
-            if k is _F:
-                produced: tuple[int, ...] = (base,)
-            elif k is _B:
-                produced = (base + _SLOT_G,)
-            elif k is _W:
-                produced = (base + _SLOT_W,)
-            else:
-                produced = (base + _SLOT_G, base + _SLOT_W)
-            for key in produced:
-                done_time[key] = end
-                done_rank[key] = r
-                if key in waiting:
-                    ready.extend(waiting.pop(key))
+            done_time[key] = end
+            if waiting:
+                woken = waiting.pop(key, None)
+                if woken:
+                    ready.extend(woken)
+            if key2 >= 0:
+                done_time[key2] = end
+                if waiting:
+                    woken = waiting.pop(key2, None)
+                    if woken:
+                        ready.extend(woken)
             i += 1
         pos[r] = i
         clock[r] = t_rank
@@ -287,7 +331,7 @@ def _run(schedule: Schedule, costs: StageCosts, clock: list[float]) -> tuple[lis
 
     if any(key >= 0 for key in blocked_on):
         raise _stuck_error(schedule, pos, blocked_on)
-    return timelines, busy
+    return times, busy
 
 
 def _stuck_error(schedule: Schedule, pos: list[int], blocked_on: list[int]) -> ValueError:

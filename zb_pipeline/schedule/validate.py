@@ -57,8 +57,7 @@ def check_and_lower(
     (``1 / chunks`` per virtual stage), ``mem_b = 0``, ``mem_w = -mem_f``.
     """
     with no_gc():
-        order = _check_compute(schedule)
-        lowered = lower(schedule, order=order)
+        lowered = lower(schedule, order=_check_compute(schedule))  # the event order is not kept past lowering
         check_lowered_comms(lowered)
     if mem_limit is not None:
         _check_memory(schedule, _costs_or_default(schedule, costs), mem_limit)
