@@ -61,7 +61,7 @@ from zb_pipeline.schedule.ir import Action, Kind, PairAction
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
 
-_PAIR = Kind.PAIR
+_PAIR, _W, _BW = Kind.PAIR, Kind.W, Kind.BW
 
 InputFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
@@ -260,16 +260,17 @@ class PipelineExecutor:
                     self.replay_requested = False  # validated before any compute: nothing to redo
                 continue
             computed = True
-            handler = handlers.get(step.kind)
+            kind = step.kind
+            handler = handlers.get(kind)
             if handler is None:
-                raise KeyError(f"rank {self.rank}: no handler for action kind {step.kind.value} ({step})")
-            if tracer is None or step.kind is _PAIR:  # a pair's handler runs (and traces) its halves: run_compute
+                raise KeyError(f"rank {self.rank}: no handler for action kind {kind.value} ({step})")
+            if tracer is None or kind is _PAIR:  # a pair's handler runs (and traces) its halves: run_compute
                 handler(self, step)
             else:
                 t0 = time.perf_counter()
                 handler(self, step)
                 tracer.compute(step, t0, time.perf_counter())
-            if grads_final and (step.kind is Kind.W or step.kind is Kind.BW):
+            if grads_final and (kind is _W or kind is _BW):
                 self._count_weight_grads(step.stage)
         return False
 
@@ -286,7 +287,7 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             handler(self, a)
             tracer.compute(a, t0, time.perf_counter(), pair=pair)
-        if self.hooks.stage_grads_final and (a.kind is Kind.W or a.kind is Kind.BW):
+        if self.hooks.stage_grads_final and (a.kind is _W or a.kind is _BW):
             self._count_weight_grads(a.stage)
 
     def _count_weight_grads(self, stage: int) -> None:

@@ -291,7 +291,7 @@ class PipelineP2P:
         """NCCL (one ``batch_isend_irecv`` per batch) and gloo's checking mode: the batch's ops in plan order."""
         ops: list[tuple[bool, torch.Tensor, int, Action]] = []
         new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []
-        check = self.check
+        check, group, where = self.check, self.group, self._where
         acks_in: list[tuple[object, torch.Tensor, Action]] = []
         for a in batch.actions:
             kind = a.kind
@@ -303,19 +303,20 @@ class PipelineP2P:
                 ops.append((True, self._send_tensor(a, payload), peer, a))
                 if check:
                     ack = torch.empty(3, dtype=torch.int64, device=self.device)
-                    acks_in.append((comm.irecv(ack, peer, group=self.group, tag=_ACK_TAG), ack, a))
+                    acks_in.append((comm.irecv(ack, peer, group=group, tag=_ACK_TAG, where=where), ack, a))
             else:
                 ops.append((False, self._recv_buffer(a), peer, a))
                 if check:
                     ident = torch.tensor(transfer_identity(a), dtype=torch.int64, device=self.device)
-                    self._acks.append((comm.isend(ident, peer, group=self.group, tag=_ACK_TAG), ident, a))
+                    self._acks.append((comm.isend(ident, peer, group=group, tag=_ACK_TAG, where=where), ident, a))
         if self._batched:
             works = comm.batch_isend_irecv(
-                [(s, t, peer) for s, t, peer, _ in ops], group=self.group, tag=_DATA_TAG, where=self._where
+                [(s, t, peer) for s, t, peer, _ in ops], group=group, tag=_DATA_TAG, where=where
             )
         else:
             works = [
-                (comm.isend if s else comm.irecv)(t, peer, group=self.group, tag=_DATA_TAG) for s, t, peer, _ in ops
+                (comm.isend if s else comm.irecv)(t, peer, group=group, tag=_DATA_TAG, where=where)
+                for s, t, peer, _ in ops
             ]
         for (is_send, t, _, a), work in zip(ops, works):
             if is_send:

@@ -154,10 +154,10 @@ def recompute(
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not torch.is_grad_enabled():
         return fn(*args)
-    needs_params = any(p.requires_grad for p in params)
-    if not any(t.requires_grad for t in tensors) and not needs_params:
+    inputs_need_grad = any(t.requires_grad for t in tensors)
+    if not inputs_need_grad and not any(p.requires_grad for p in params):
         return fn(*args)
-    if not any(t.requires_grad for t in tensors):
+    if not inputs_need_grad:
         # Parameters inside but no input needing a gradient: pass them as (unused) inputs so that backward comes
         # (under the generic split the segment is then weight work only, recomputed once, at W).
         extra = [p for p in params if p.requires_grad]

@@ -8,7 +8,8 @@ the machine runs out of memory:
 
 - ``MAX_RANKS`` pipeline ranks and ``MAX_MICROBATCHES`` microbatches per iteration;
 - ``MAX_ACTIONS`` compute actions (``3 x p x chunks x m``) -- room for p = 512, m = 2048 1F1B or ZB-H1 (3.1 million
-  actions, about 20 s and 2 GB to generate, lower, validate and simulate);
+  actions: 34.6 s CPU and 1.74 GB peak RSS to generate, lower, validate and simulate ZB-H1, measured on a shared
+  2-core host; ``tools/bench_schedules.py --scale``, bench/results/NOTES.md);
 - a schedule whose generator costs more per action (a search) states a smaller ``max_actions`` in its registry
   entry (``registry.GeneratorSpec.max_actions``), which takes the place of ``MAX_ACTIONS`` for it
   (``registry.check_limits`` applies it; ``registry.generate`` calls that before generating);

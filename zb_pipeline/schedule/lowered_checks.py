@@ -19,9 +19,10 @@ from zb_pipeline.schedule.schedule_error import MAX_STUCK_LISTED, ScheduleError,
 _SEND_F, _RECV_F, _SEND_B, _RECV_B = Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B
 _SEND_PV, _RECV_PV = Kind.SEND_PV, Kind.RECV_PV
 _F, _B, _BW, _W, _PAIR = Kind.F, Kind.B, Kind.BW, Kind.W, Kind.PAIR
-# Where a transfer was posted: rank * _BIG + step.
-_BIG = 1 << 32
-_STEP = _BIG - 1  # pos & _STEP is the step
+# Where a transfer was posted: rank * _BIG + step (pos >> _SHIFT is the rank, pos & _STEP the step).
+_SHIFT = 32
+_BIG = 1 << _SHIFT
+_STEP = _BIG - 1
 
 
 def check_lowered_comms(lowered: LoweredSchedule) -> None:
@@ -327,7 +328,7 @@ def _bad_op(
     tid = _transfer_id(kind, s, mb, m)
     seen = (sent if is_send else recvd)[tid]
     if seen >= 0:
-        return bad(f"duplicate; the same transfer is already at step {seen % _BIG}")
+        return bad(f"duplicate; the same transfer is already at step {seen & _STEP}")
     step = (fstep if kind in (Kind.SEND_F, Kind.RECV_F) else gstep)[s * m + mb]
     if is_send:
         return bad(f"sent before the action that produces it (step {step})")
@@ -376,7 +377,7 @@ def _simulate_strict(lowered: LoweredSchedule, ops: _Ops) -> None:
                 there = sent[tid]  # the other end of the transfer
                 if there == here:
                     there = recvd[tid]
-                q = there >> 32
+                q = there >> _SHIFT
                 if posted[q] and ptr[q] == there & _STEP:
                     pending[r] -= 1
                     pending[q] -= 1
@@ -399,7 +400,7 @@ def _raise_strict_deadlock(
             there = ops.sent[tid]
             if there == r * _BIG + j:
                 there = ops.recvd[tid]
-            q, jq = there >> 32, there & _STEP
+            q, jq = there >> _SHIFT, there & _STEP
             if not (posted[q] and ptr[q] == jq):
                 parts.append(
                     f"rank {r} step {j} ({ranks[r][j].actions[slot]}) waits for rank {q} to post "

@@ -211,56 +211,46 @@ def event_order(schedule: Schedule) -> EventOrder:
                     blocked[r] = missing
                     break
                 t_rank = max([t_rank] + [done[d] for d in deps]) + cost
-                for key in produced:
-                    done[key] = t_rank
-                    if waiting:
-                        woken = waiting.pop(key, None)
-                        if woken:
-                            ready.extend(woken)
-                end_r.append(t_rank)
-                seq_r.append(counter)
-                counter += 1
-                i += 1
-                continue
-            s, mb = a.stage, a.microbatch
-            base = (s * m + mb) * 3
-            # The events this action waits for (see action_deps), inlined: this loop is the hot path.
-            if kind is _F:
-                d1, d2 = (base - 3 * m if s > 0 else -1), -1
-            elif kind is _W:
-                d1, d2 = base + SLOT_G, -1
             else:
-                d1, d2 = base + SLOT_F, (base + 3 * m + SLOT_G if s < last else -1)
-            start = t_rank
-            missing = -1
-            if d1 >= 0:
-                t = done[d1]
-                if t < 0:
-                    missing = d1
-                elif t > start:
-                    start = t
-            if d2 >= 0 and missing < 0:
-                t = done[d2]
-                if t < 0:
-                    missing = d2
-                elif t > start:
-                    start = t
-            if missing >= 0:
-                waiting.setdefault(missing, []).append(r)
-                blocked[r] = missing
-                break
-            if kind is _F:
-                t_rank = start + 1
-                produced: tuple[int, ...] = (base + SLOT_F,)
-            elif kind is _B:
-                t_rank = start + 1
-                produced = (base + SLOT_G,)
-            elif kind is _W:
-                t_rank = start + 1
-                produced = (base + SLOT_W,)
-            else:  # BW costs B + W
-                t_rank = start + 2
-                produced = (base + SLOT_G, base + SLOT_W)
+                s, mb = a.stage, a.microbatch
+                base = (s * m + mb) * 3
+                # The events this action waits for (see action_deps), inlined: this loop is the hot path.
+                if kind is _F:
+                    d1, d2 = (base - 3 * m if s > 0 else -1), -1
+                elif kind is _W:
+                    d1, d2 = base + SLOT_G, -1
+                else:
+                    d1, d2 = base + SLOT_F, (base + 3 * m + SLOT_G if s < last else -1)
+                start = t_rank
+                missing = -1
+                if d1 >= 0:
+                    t = done[d1]
+                    if t < 0:
+                        missing = d1
+                    elif t > start:
+                        start = t
+                if d2 >= 0 and missing < 0:
+                    t = done[d2]
+                    if t < 0:
+                        missing = d2
+                    elif t > start:
+                        start = t
+                if missing >= 0:
+                    waiting.setdefault(missing, []).append(r)
+                    blocked[r] = missing
+                    break
+                if kind is _F:
+                    t_rank = start + 1
+                    produced = (base + SLOT_F,)
+                elif kind is _B:
+                    t_rank = start + 1
+                    produced = (base + SLOT_G,)
+                elif kind is _W:
+                    t_rank = start + 1
+                    produced = (base + SLOT_W,)
+                else:  # BW costs B + W
+                    t_rank = start + 2
+                    produced = (base + SLOT_G, base + SLOT_W)
             for key in produced:
                 done[key] = t_rank
                 if waiting:

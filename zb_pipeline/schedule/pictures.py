@@ -14,7 +14,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from zb_pipeline.schedule.ir import Kind, PairAction, PlanAction, Schedule
+from zb_pipeline.schedule.ir import Kind, PairAction, PlanAction, Schedule, halves
 from zb_pipeline.schedule.simulate import SimResult
 
 KIND_COLORS: dict[Kind, str] = {
@@ -193,7 +193,7 @@ def ansi_timeline(result: SimResult, *, color: bool = True, max_width: int = 160
                 text = step_label(a)
             else:  # later chunks in lower case; a pair as its two halves, "F5+x2"
                 parts = []
-                for half in (a.forward, a.backward) if type(a) is PairAction else (a,):
+                for half in halves(a):
                     letter = _KIND_LETTER[half.kind]
                     parts.append(f"{letter.lower() if chunk_of[half.stage] > 0 else letter}{half.microbatch}")
                 text = "+".join(parts)

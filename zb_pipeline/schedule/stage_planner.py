@@ -242,15 +242,16 @@ def _search(
     shape: _Shape,
     *,
     min_layers: int,
-    options: tuple[int, ...],
     partial_bound: Callable[[list[int], list[int], list], float],
     leaf_bound: Callable[[StageCosts], float],
     evaluate: _Evaluate,
     max_evaluations: int,
 ) -> tuple[object | None, int, bool]:
     """Branch and bound over (layers, option) per virtual stage: the best ``evaluate`` result, the number of
-    evaluations, and whether the search finished (exact)."""
+    evaluations, and whether the search finished (exact).  The options per stage: no recompute (0), then each of
+    ``model.recompute`` (1, 2, ...)."""
     S, L = shape.num_stages, model.num_layers
+    options = range(len(model.recompute) + 1)
     if L < S * min_layers:
         raise ValueError(
             f"{L} layers cannot give each of {S} virtual stages at least {min_layers} layer(s); use fewer stages"
@@ -327,7 +328,6 @@ def plan_stages(
     if max_evaluations is None:
         max_evaluations = DEFAULT_EVALUATIONS if shape.fixed_plan is not None else DEFAULT_PLAN_EVALUATIONS
     m, p, place = shape.m, shape.p, shape.stage_to_rank
-    options = tuple(range(len(model.recompute) + 1))
     limit = math.inf if mem_limit is None else float(mem_limit)
     layer_work = model.layer.f + model.layer.b + model.layer.w  # the cheapest a layer can be (recompute adds)
     head_work = model.head.f + model.head.b + model.head.w
@@ -367,7 +367,6 @@ def plan_stages(
         model,
         shape,
         min_layers=min_layers,
-        options=options,
         partial_bound=time_bound,
         leaf_bound=lambda costs: iteration_lower_bound(costs, place, m).time,
         evaluate=evaluate,
@@ -457,7 +456,6 @@ def smallest_mem_limit(
     """The smallest per-rank memory limit some candidate (split and recompute choice) fits: the same search,
     minimising the peak.  A cost-dependent plan that takes a limit is bisected per candidate (to 0.5%)."""
     shape = _shape(schedule, num_ranks, num_microbatches, chunks)
-    options = tuple(range(len(model.recompute) + 1))
 
     def floor(costs: StageCosts) -> float:
         return max(max(f, f + b) for f, b in zip(costs.mem_f, costs.mem_b))
@@ -473,8 +471,9 @@ def smallest_mem_limit(
         while top - lo > 0.005 * top:  # the generator fits lo < limit <= top?
             mid = (lo + top) / 2
             plan = _plan_for(shape, costs, mid)
-            if plan is not None and max(_peak(plan, costs)) <= mid:
-                top = max(_peak(plan, costs))
+            peak = max(_peak(plan, costs)) if plan is not None else math.inf
+            if peak <= mid:
+                top = peak
             else:
                 lo = mid
         return top, top
@@ -483,7 +482,6 @@ def smallest_mem_limit(
         model,
         shape,
         min_layers=min_layers,
-        options=options,
         partial_bound=lambda layers, opts, parts: _memory_bound(shape, parts, model.comm),
         leaf_bound=floor,
         evaluate=evaluate,

@@ -16,6 +16,7 @@ import functools
 from collections.abc import Sequence
 
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.generators.zb_auto_passes import extension_backend
 from zb_pipeline.schedule.ir import Action, Kind, Schedule, v_placement
 from zb_pipeline.schedule.simulate import simulate
 
@@ -31,13 +32,7 @@ _KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
 
 def resolve_backend(name: str | None) -> str:
     """``"cpp"`` when the extension is built (or asked for), else ``"python"``."""
-    if name is None:
-        return "cpp" if cpp is not None else "python"
-    if name == "cpp" and cpp is None:
-        raise ValueError("backend='cpp' asked for, but zb_pipeline.schedule._v_shape_cpp is not built")
-    if name not in ("cpp", "python"):
-        raise ValueError(f"backend={name!r}: expected 'cpp', 'python' or None")
-    return name
+    return extension_backend(name, cpp, "_v_shape_cpp")
 
 
 def cost_args(costs: StageCosts) -> tuple:

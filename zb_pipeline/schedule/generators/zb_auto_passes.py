@@ -347,14 +347,20 @@ def spans_py(m: int, st: StageArrays, plans: Sequence[Sequence[int]]) -> list[fl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def resolve_backend(name: str | None) -> str:
+def extension_backend(name: str | None, extension: object | None, extension_name: str) -> str:
+    """``"cpp"`` when compiled ``extension`` (module ``zb_pipeline.schedule.<extension_name>``, ``None`` if not
+    built) is there or asked for, else ``"python"``; a clear ``ValueError`` for any other ``name``."""
     if name is None:
-        return "cpp" if _cpp is not None else "python"
-    if name == "cpp" and _cpp is None:
-        raise ValueError("backend='cpp' asked for, but zb_pipeline.schedule._zb_auto_cpp is not built")
+        return "cpp" if extension is not None else "python"
+    if name == "cpp" and extension is None:
+        raise ValueError(f"backend='cpp' asked for, but zb_pipeline.schedule.{extension_name} is not built")
     if name not in ("cpp", "python"):
         raise ValueError(f"backend={name!r}: expected 'cpp', 'python' or None")
     return name
+
+
+def resolve_backend(name: str | None) -> str:
+    return extension_backend(name, _cpp, "_zb_auto_cpp")
 
 
 class Engine:
