@@ -144,6 +144,11 @@ class FlagTable:
             self.types[dest] = type
         self.choices[dest] = choices
 
+    def add_default_spelling(self, group: argparse._ArgumentGroup, flag: str, *, dest: str, help: str) -> None:
+        """Another switch for the registered switch ``dest`` that sets it to its default (Megatron's spelling)."""
+        action = "store_true" if self.defaults[dest] else "store_false"
+        group.add_argument(flag, dest=dest, action=action, default=argparse.SUPPRESS, help=help)
+
     def add_model_flag(self, group: argparse._ArgumentGroup, flag: str, **kwargs: Any) -> None:
         """A flag of a ``GPTConfig`` field: its default is the field's (a switch's is checked against it)."""
         dest = kwargs.get("dest") or flag.lstrip("-").replace("-", "_")
@@ -440,11 +445,10 @@ def _precision_flags(t: FlagTable) -> None:
         switch=True,
         help="stop the run on a NaN/inf loss or (bf16/fp32) gradient instead of skipping the step",
     )
-    g.add_argument(
+    t.add_default_spelling(
+        g,
         "--no-check-for-nan-in-loss-and-grad",
         dest="check_for_nan_in_loss_and_grad",
-        action="store_false",
-        default=argparse.SUPPRESS,
         help="skip (count) NaN/inf iterations instead of stopping (the default)",
     )
     t.add(
@@ -480,13 +484,7 @@ def _kernel_flags(t: FlagTable) -> None:
         dest="bias_gelu_fusion",
         help="Triton: bias add and GeLU with torch instead of the fused kernel",
     )
-    g.add_argument(  # Megatron's older spelling of the default
-        "--bias-gelu-fusion",
-        dest="bias_gelu_fusion",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="the default",
-    )
+    t.add_default_spelling(g, "--bias-gelu-fusion", dest="bias_gelu_fusion", help="the default")
     t.add(
         g,
         "--no-bias-swiglu-fusion",

@@ -83,8 +83,8 @@ def next_token(logits: torch.Tensor, config: SamplingConfig, generator: torch.Ge
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if config.top_p < 1:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= config.top_p  # mass before it already reaches p
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p  # mass before it already reaches p
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -130,5 +130,6 @@ def generate(
         if token == eod:
             break
         feed = torch.tensor([[token]], dtype=torch.long, device=device)
-        sequence = torch.cat([sequence, feed], dim=1)
+        if not use_cache:  # the cache holds the earlier tokens' keys and values
+            sequence = torch.cat([sequence, feed], dim=1)
     return out

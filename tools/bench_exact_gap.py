@@ -62,6 +62,20 @@ PAPER_P8 = [
 ]
 
 
+def _fitting(names: tuple[str, ...], p: int, m: int, costs: StageCosts, limit: float) -> dict:
+    """``{name: (schedule, simulation)}`` of the generators in ``names`` whose plan for ``limit`` exists and fits it."""
+    plans = {}
+    for name in names:
+        try:
+            sched = registry.generate(name, p, m, costs=costs, mem_limit=limit)
+        except ValueError:
+            continue
+        sim = simulate(sched, costs)
+        if max(sim.peak_memory) <= limit + 1e-9:
+            plans[name] = (sched, sim)
+    return plans
+
+
 def paper_rows(*, time_limit: float, quick: bool) -> list[str]:
     """The paper's p = 8 settings under ZB-1p's and ZB-2p's memory limits, certified (markdown lines)."""
     p = 8
@@ -86,15 +100,10 @@ def paper_rows(*, time_limit: float, quick: bool) -> list[str]:
             simulate(registry.generate(n, p, m, costs=costs), costs).bubble_rate for n in ("1f1b", "zb-h1", "zb-h2")
         ]
         for limit_name, limit in (("p", float(p)), ("2p", float(2 * p))):
-            plans = {}
-            for name in ("zb-h1", "zb-h2", "zb-auto"):
-                try:
-                    sched = registry.generate(name, p, m, costs=costs, mem_limit=limit)
-                except ValueError:
-                    continue
-                sim = simulate(sched, costs)
-                if max(sim.peak_memory) <= limit + 1e-9:
-                    plans[name] = (sched, sim.end_time)
+            plans = {
+                n: (sched, sim.end_time)
+                for n, (sched, sim) in _fitting(("zb-h1", "zb-h2", "zb-auto"), p, m, costs, limit).items()
+            }
             best_name = min(plans, key=lambda n: plans[n][1])
             cert = certify(plans[best_name][0], costs, mem_limit=limit, time_limit=time_limit)
             print(f"{model} m={m} limit={limit_name}: {cert.report()}", flush=True)
@@ -129,14 +138,12 @@ def run(out: Path, *, time_limit: float, quick: bool) -> Path:
             plans = {}
             res = zb_auto.search(p, m, costs, limit)
             plans["zb-auto"] = (res.schedule, simulate(res.schedule, costs).makespan)
-            for name in ("zb-h1", "zb-h2"):
-                try:
-                    sched = registry.generate(name, p, m, costs=costs, mem_limit=limit)
-                except ValueError:
-                    continue
-                sim = simulate(sched, costs)
-                if max(sim.peak_memory) <= limit + 1e-9:
-                    plans[name] = (sched, sim.makespan)
+            plans.update(
+                {
+                    n: (sched, sim.makespan)
+                    for n, (sched, sim) in _fitting(("zb-h1", "zb-h2"), p, m, costs, limit).items()
+                }
+            )
             warm = min(plans.values(), key=lambda x: x[1])[0] if plans else None
             t0 = time.perf_counter()
             exact = solve_exact(p, m, costs=costs, mem_limit=limit, time_limit=time_limit, warm_start=warm)

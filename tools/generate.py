@@ -25,11 +25,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", required=True, help="checkpoint directory (as given to --save)")
     parser.add_argument("--iteration", type=int, default=None, help="iteration to load (default: the tracker's)")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0: greedy (default 1)")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    parser.add_argument("--seed", type=int, default=1234, help="sampling seed (default 1234)")
+    d = SamplingConfig()  # the defaults
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=d.max_new_tokens,
+        help=f"tokens to generate at most (default {d.max_new_tokens})",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=d.temperature,
+        help=f"softmax temperature; 0: greedy (default {d.temperature:g})",
+    )
+    parser.add_argument("--top-k", type=int, default=d.top_k, help="sample among the k most likely tokens (0: off)")
+    parser.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass (1: off)")
+    parser.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed (default {d.seed})")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when available)")
     parser.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence every step")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")

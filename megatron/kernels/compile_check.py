@@ -38,6 +38,13 @@ _W = dict(gy_ptr=_BF16, x_ptr=_BF16, g_ptr=_F32, N="i32", O="i32", I="i32", stri
           BLOCK_N=32)  # fmt: skip
 _CE = dict(logits_ptr=_BF16, target_ptr=_I64, N="i32", V="i32", valid="i32", stride_n="i32", ROWS=1, BLOCK_V=4096)
 
+_NORMS = (("LayerNorm", False), ("RMSNorm", True))  # (label, RMS); LayerNorm has a bias, RMSNorm none
+_ACTS = (  # (forward label, backward label, constexpr switches)
+    ("bias-GeLU", "bias-GeLU backward", dict(HAS_BIAS=True, SWIGLU=False, TANH=False)),
+    ("bias-GeLU (tanh, --openai-gelu)", "bias-GeLU (tanh) backward", dict(HAS_BIAS=True, SWIGLU=False, TANH=True)),
+    ("SwiGLU", "SwiGLU backward", dict(HAS_BIAS=False, SWIGLU=True, TANH=False)),
+)
+
 KERNELS: list[tuple[str, str, dict[str, Any], str]] = [
     ("weight_grad", "weight_grad_kernel", {**_W, "UPCAST": False, "IEEE": False}, "W kernel, bf16"),
     (
@@ -45,61 +52,30 @@ KERNELS: list[tuple[str, str, dict[str, Any], str]] = [
         "weight_grad_kernel",
         {**_W, "gy_ptr": _F32, "x_ptr": _F32, "UPCAST": False, "IEEE": True},
         "W kernel, fp32 (ieee)",
-    ),  # fmt: skip
-    ("norms", "norm_forward_kernel", {**_NORM_FWD, "RMS": False, "HAS_BIAS": True}, "LayerNorm forward"),
-    ("norms", "norm_forward_kernel", {**_NORM_FWD, "RMS": True, "HAS_BIAS": False}, "RMSNorm forward"),
-    ("norms", "norm_input_grad_kernel", {**_NORM_DX, "RMS": False}, "LayerNorm input grad (B)"),
-    ("norms", "norm_input_grad_kernel", {**_NORM_DX, "RMS": True}, "RMSNorm input grad (B)"),
-    ("norms", "norm_weight_grad_kernel", {**_NORM_DW, "RMS": False, "HAS_BIAS": True}, "LayerNorm weight grad"),
-    ("norms", "norm_weight_grad_kernel", {**_NORM_DW, "RMS": True, "HAS_BIAS": False}, "RMSNorm weight grad"),
-    (
-        "activations",
-        "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": False, "TANH": False},
-        "bias-GeLU",
     ),
-    (
-        "activations",
-        "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": True, "TANH": False},
-        "bias-GeLU backward",
-    ),  # fmt: skip
-    (
-        "activations",
-        "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": False, "TANH": True},
-        "bias-GeLU (tanh, --openai-gelu)",
-    ),  # fmt: skip
-    (
-        "activations",
-        "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": True, "SWIGLU": False, "BACKWARD": True, "TANH": True},
-        "bias-GeLU (tanh) backward",
-    ),  # fmt: skip
-    (
-        "activations",
-        "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": False, "SWIGLU": True, "BACKWARD": False, "TANH": False},
-        "SwiGLU",
-    ),
-    (
-        "activations",
-        "bias_act_kernel",
-        {**_ACT, "HAS_BIAS": False, "SWIGLU": True, "BACKWARD": True, "TANH": False},
-        "SwiGLU backward",
-    ),  # fmt: skip
+    *[("norms", "norm_forward_kernel", {**_NORM_FWD, "RMS": r, "HAS_BIAS": not r}, f"{n} forward") for n, r in _NORMS],
+    *[("norms", "norm_input_grad_kernel", {**_NORM_DX, "RMS": r}, f"{n} input grad (B)") for n, r in _NORMS],
+    *[
+        ("norms", "norm_weight_grad_kernel", {**_NORM_DW, "RMS": r, "HAS_BIAS": not r}, f"{n} weight grad")
+        for n, r in _NORMS
+    ],
+    *[
+        ("activations", "bias_act_kernel", {**_ACT, **switches, "BACKWARD": backward}, label)
+        for forward_label, backward_label, switches in _ACTS
+        for backward, label in ((False, forward_label), (True, backward_label))
+    ],
     (
         "cross_entropy",
         "softmax_stats_kernel",
         {**_CE, "max_ptr": _F32, "sum_ptr": _F32, "tlogit_ptr": _F32},
         "cross-entropy statistics",
-    ),  # fmt: skip
+    ),
     (
         "cross_entropy",
         "cross_entropy_grad_kernel",
         {**_CE, "lse_ptr": _F32, "dloss_ptr": _F32, "grad_ptr": _BF16, "stride_grad": "i32"},
         "cross-entropy gradient",
-    ),  # fmt: skip
+    ),
 ]
 
 

@@ -81,6 +81,17 @@ def norm_forward_kernel(
 
 
 @triton.jit
+def _normalized(x, mean_ptr, rstd, rows, row_ok, ok, RMS: tl.constexpr):
+    """``xhat`` of the rows ``x`` from the forward's saved ``mean`` (LayerNorm) and ``rstd``; 0 outside ``ok``."""
+    if RMS:
+        xhat = x * rstd[:, None]
+    else:
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        xhat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+    return xhat
+
+
+@triton.jit
 def norm_input_grad_kernel(
     x_ptr,
     w_ptr,
@@ -106,11 +117,7 @@ def norm_input_grad_kernel(
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-    if RMS:
-        xhat = x * rstd[:, None]
-    else:
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-        xhat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+    xhat = _normalized(x, mean_ptr, rstd, rows, row_ok, ok, RMS)
     wdy = w[None, :] * dy
     c1 = tl.sum(xhat * wdy, axis=1) / H
     if RMS:
@@ -152,11 +159,7 @@ def norm_weight_grad_kernel(
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        if RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-            xhat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+        xhat = _normalized(x, mean_ptr, rstd, rows, row_ok, ok, RMS)
         dw += tl.sum(dy * xhat, axis=0)
         if HAS_BIAS:
             db += tl.sum(dy, axis=0)
