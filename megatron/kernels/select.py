@@ -192,7 +192,7 @@ def _resolve_fused(config: KernelConfig, model: GPTConfig, *, on_cuda: bool) -> 
         if explicit:
             raise ConfigError(f"--kernels triton: {problem}; use --kernels torch")
         notes.append(f"{model.normalization} (hidden size {model.hidden_size} > {MAX_NORM_HIDDEN})")
-    is_gelu = not model.swiglu and not model.squared_relu  # erf or tanh (--openai-gelu): the kernel has both
+    is_gelu = model.gelu_mlp  # erf or tanh (--openai-gelu): the kernel has both
     gelu = is_gelu and config.bias_gelu_fusion
     swiglu = model.swiglu and config.bias_swiglu_fusion
     if is_gelu and not config.bias_gelu_fusion:

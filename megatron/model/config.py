@@ -160,6 +160,11 @@ class GPTConfig:
         return not self.untie_embeddings_and_output_weights
 
     @property
+    def gelu_mlp(self) -> bool:
+        """The MLP's activation is a GeLU: erf, or tanh with ``--openai-gelu`` (not SwiGLU, not squared ReLU)."""
+        return not (self.swiglu or self.squared_relu)
+
+    @property
     def rotary_dim(self) -> int:
         """Channels of each head that RoPE rotates (Megatron: ``int(kv_channels * rotary_percent)``)."""
         return int(self.kv_channels * self.rotary_percent)

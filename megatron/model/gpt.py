@@ -214,7 +214,7 @@ class _LayerRun:
     def __call__(self, x: torch.Tensor, *rotary: torch.Tensor) -> torch.Tensor:
         rot = (rotary[0], rotary[1]) if rotary else None
         for layer in self.layers:
-            x = layer(x, rot) if self.attention_mask is None else layer(x, rot, self.attention_mask)
+            x = layer(x, rot, self.attention_mask)
         return x
 
 

@@ -25,7 +25,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.swiglu, self.squared_relu = config.swiglu, config.squared_relu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        self.is_gelu = not (config.swiglu or config.squared_relu)  # erf, or tanh with --openai-gelu
+        self.is_gelu = config.gelu_mlp
         ffn, bias = config.ffn_hidden_size, config.add_bias_linear
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
