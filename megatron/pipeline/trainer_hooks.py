@@ -192,7 +192,7 @@ def pipeline_summary(run: RunConfig, pipe: GPTPipeline | None) -> dict[str, str]
 
 
 def layer_split_summary(layout: PipelineLayout) -> str:
-    """``[3, 1] (auto: predicted iteration 12% shorter than the even split's, analytic FLOPs model)``."""
+    """``[3, 1] (auto: simulated iteration -12.0% against the even split, analytic FLOPs model)``."""
     text = f"{list(layout.layers_per_stage)} ({layout.split}"
     plan = layout.split_plan
     if plan is not None and layout.even_iteration:
