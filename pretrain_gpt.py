@@ -21,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from megatron.arguments import parse_run_config
     from megatron.config.errors import ConfigError, RunAbortedError
-    from megatron.peer_failure import EXIT_PEER_FAILURE, PeerFailedRunError, debug_tracebacks
+    from megatron.peer_failure import EXIT_PEER_FAILURE, PeerFailedRunError
     from megatron.requirements import check_torch
 
     rank = int(os.environ.get("RANK", "0"))
@@ -31,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_torch(torch.__version__)
         run = parse_run_config(argv, world_size=world_size)
     except ConfigError as err:
-        _traceback_if_debug(debug_tracebacks())
+        _traceback_if_debug()
         if rank == 0:
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         return 2
@@ -44,25 +44,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         pretrain(run)
     except ConfigError as err:  # bad input found while building data, tokenizer or model: same on every rank
-        _traceback_if_debug(debug_tracebacks())
+        _traceback_if_debug()
         if rank == 0:
             print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         return 2
     except RunAbortedError as err:  # disk full during a save, NaN with --check-for-nan-in-loss-and-grad
-        _traceback_if_debug(debug_tracebacks())
+        _traceback_if_debug()
         if rank == 0:
             print(f"pretrain_gpt.py: stopped: {err}", file=sys.stderr, flush=True)
         return 1
     except PeerFailedRunError as err:  # another rank died or stopped: every surviving rank names whom it waited for
-        _traceback_if_debug(debug_tracebacks())
+        _traceback_if_debug()
         print(f"pretrain_gpt.py: {err}", file=sys.stderr, flush=True)
         return EXIT_PEER_FAILURE
     return 0
 
 
-def _traceback_if_debug(debug: bool) -> None:
+def _traceback_if_debug() -> None:
     """With ``ZB_DEBUG=1``: the traceback of the error being handled, before its one line."""
-    if debug:
+    from megatron.peer_failure import debug_tracebacks
+
+    if debug_tracebacks():
         import traceback
 
         traceback.print_exc(file=sys.stderr)

@@ -9,7 +9,6 @@ warning line).
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from megatron import checkpoint_files as cf
@@ -19,12 +18,9 @@ from megatron.model.config import GPTConfig
 def checkpoint_model_args(load: str) -> dict[str, Any] | None:
     """The model flags' values saved in the latest checkpoint under ``load`` (``None`` when it holds none yet): its
     ``GPTConfig`` fields, and for a NullTokenizer run that tokenizer with its ``--vocab-size``."""
-    root = Path(load)
-    iteration = cf.read_tracker(root)
-    if iteration is None:
+    common = cf.read_latest_common(load)
+    if common is None:
         return None
-    directory = cf.iteration_dir(root, iteration)
-    common = cf.verified_load(directory, cf.COMMON, cf.read_manifest(directory))
     names = {f.name for f in dataclasses.fields(GPTConfig)}
     saved = {k: v for k, v in common["model_args"].items() if k in names}
     tokenizer = common.get("tokenizer") or {}

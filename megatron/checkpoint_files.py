@@ -247,6 +247,15 @@ def read_tracker(root: str | Path) -> int | None:
     return iteration
 
 
+def read_latest_common(root: str | Path) -> dict[str, Any] | None:
+    """The verified ``common.pt`` of the tracker's iteration under ``root`` (``None``: no checkpoint there yet)."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    directory = iteration_dir(root, iteration)
+    return verified_load(directory, COMMON, read_manifest(directory))
+
+
 def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     path = directory / MANIFEST
     try:

@@ -263,12 +263,9 @@ def checkpoint_layer_split(run: RunConfig) -> RunConfig:
     layout = run.pipeline_layout
     if not run.checkpoint.load or layout is None or run.parallel.layer_split != "auto" or layout.split == "explicit":
         return run
-    root = Path(run.checkpoint.load)
-    iteration = cf.read_tracker(root)
-    if iteration is None:
+    common = cf.read_latest_common(run.checkpoint.load)
+    if common is None:
         return run
-    directory = cf.iteration_dir(root, iteration)
-    common = cf.verified_load(directory, cf.COMMON, cf.read_manifest(directory))
     saved = common.get("layout", {}).get("layers_per_stage")
     if saved is None or len(saved) != len(layout.layer_ranges) or sum(saved) != run.model.num_layers:
         return run  # another shape: _check_compatible names the problem at load

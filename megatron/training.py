@@ -325,11 +325,11 @@ def _train_loop(
         if writes_scalars and it % run.logging.tensorboard_log_interval == 0:
             settle_losses(tr)  # the scalars read the loss: reduced at these iterations on every rank
             logger.iteration_scalars(it, _scalars(tr, res))
-        if it % run.logging.log_interval == 0 or it == t.train_iters:
+        if _logs_at(tr, it):
             settle_losses(tr)  # the window's losses, reduced over the pipeline and data parallel (deferred_loss)
             logger.iteration(window.stats(tr, res, last_grad_norm, flops_per_iter))
             window = _LogWindow()
-        if tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0:
+        if _evaluates_at(tr, it):
             window.skipped += _count_skipped(settle_pending_step(tr))
             loss = _evaluate_collected(tr, collector)
             validation.append((it, loss))
@@ -349,13 +349,27 @@ def _train_loop(
     settle_pending_step(tr)
     settle_losses(tr)
     wall = time.time() - run_start
-    if tr.valid_data is not None and t.eval_iters > 0 and (not validation or validation[-1][0] != tr.iteration):
+    if _evaluates(tr) and (not validation or validation[-1][0] != tr.iteration):
         loss = _evaluate_collected(tr, collector)
         validation.append((tr.iteration, loss))
         logger.validation(tr.iteration, loss)
     tokens = (tr.consumed_train_samples - start_consumed) * run.model.seq_length
     tokens_per_s = tokens / wall if wall > 0 else 0.0
     return _final_summary(tr, logger, validation, collector, tokens_per_s), tr
+
+
+def _logs_at(tr: Trainer, it: int) -> bool:
+    """Whether a log line follows iteration ``it`` (every ``--log-interval``, and the last)."""
+    return it % tr.run.logging.log_interval == 0 or it >= tr.run.training.train_iters
+
+
+def _evaluates(tr: Trainer) -> bool:
+    return tr.valid_data is not None and tr.run.training.eval_iters > 0
+
+
+def _evaluates_at(tr: Trainer, it: int) -> bool:
+    """Whether an evaluation follows iteration ``it`` (every ``--eval-interval``)."""
+    return _evaluates(tr) and it % tr.run.training.eval_interval == 0
 
 
 def _split_decision(tr: Trainer) -> MeasuredSplit | None:
@@ -403,11 +417,10 @@ def _save_or_exit(
     # The signal flag is reduced without a wait (answered one iteration later) except where the run synchronises
     # anyway: a log line, an evaluation, a checkpoint, an exit, the last iteration.
     wait = (
-        it % tr.run.logging.log_interval == 0
-        or it >= t.train_iters
+        _logs_at(tr, it)
         or saved_at == it
         or (t.exit_interval is not None and it % t.exit_interval == 0)
-        or (tr.valid_data is not None and t.eval_iters > 0 and it % t.eval_interval == 0)
+        or _evaluates_at(tr, it)
     )
     if isinstance(signals, ExitSignalHandler) and signals.should_exit(
         distributed=tr.ctx.is_distributed, wait=wait, timeout=tr.ctx.timeout

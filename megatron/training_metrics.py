@@ -23,7 +23,7 @@ from zb_pipeline import comm
 def num_zeros_in_grad(tr: Any) -> int:
     """Zero gradient entries of the whole model (collective over the optimizer's stage and pipeline groups)."""
     opt = tr.optimizer
-    local = sum(int((s.grad == 0).sum()) for s in opt.shards if s.owned)
+    local = int(sum((s.grad == 0).sum() for s in opt.shards if s.owned))  # one device-to-host read, not one per shard
     for group in (opt.stage_group, opt.pp_group):
         if group is not None:
             local = int(comm.all_reduce_values([local], group=group, dtype=torch.int64)[0])

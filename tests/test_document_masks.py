@@ -224,3 +224,20 @@ def test_middle_pipeline_ranks_load_the_batches_the_fields_need() -> None:
     loaded = batches(ALL)  # RoPE positions and the mask are read by every stage
     assert [set(b) >= {"position_ids", "document_ids"} for b in loaded] == [True, True]
     assert batches(DocumentMaskConfig(eod_mask_loss=True)) == [{}, {}]  # only the last stage reads the loss mask
+
+
+def test_middle_pipeline_ranks_read_the_training_batches_the_fields_need() -> None:
+    from types import SimpleNamespace
+
+    from megatron.pipeline.trainer_hooks import _train_batches
+
+    middle = SimpleNamespace(holds_first_stage=False, holds_last_stage=False)
+    loaded = [{"position_ids": torch.arange(8)}, {"position_ids": torch.arange(8)}]
+    loader = SimpleNamespace(batches=lambda it: loaded if it == 3 else None)
+
+    def batches(documents: DocumentMaskConfig) -> list[dict]:
+        run = SimpleNamespace(documents=documents, num_microbatches_at=lambda it: 2)
+        return _train_batches(SimpleNamespace(run=run, pipeline=middle, train_loader=loader, iteration=3))
+
+    assert batches(ALL) is loaded  # RoPE positions and the mask are read by every stage
+    assert batches(DocumentMaskConfig(eod_mask_loss=True)) == [{}, {}]  # only the last stage reads the loss mask

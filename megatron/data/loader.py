@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from megatron.data.mock_data import collate
-from megatron.microbatches import microbatch_indices
+from megatron.microbatches import load_microbatch, microbatch_indices
 
 if TYPE_CHECKING:
     from megatron.arguments import RunConfig
@@ -93,11 +93,13 @@ class MicrobatchLoader:
         self.next_iteration += 1
         run = self.run
         m = run.num_microbatches_at(iteration)
-        if self._iter is not None:
-            got = [next(self._iter) for _ in range(m)]
-        else:
+        if self._iter is None:
             base = run.batches.consumed_before(iteration)
-            got = [collate([self.dataset[i] for i in microbatch_indices(run, self.dp_rank, base, k)]) for k in range(m)]
+            return [
+                load_microbatch(self.dataset, microbatch_indices(run, self.dp_rank, base, k), self.device)
+                for k in range(m)
+            ]
+        got = [next(self._iter) for _ in range(m)]
         return [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in got]
 
 

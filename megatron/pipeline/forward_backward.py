@@ -172,10 +172,7 @@ class GPTPipeline:
         ranks may pass anything of length ``m``); ``position_ids``/``document_ids``, when used, on every rank.
         Returns the float64 sum of the microbatch losses on every rank.
         """
-        total, work = self.start_forward_backward(batches, iteration=iteration)
-        if work is not None:
-            comm.wait(work, group=self.ctx.pp_group, timeout=self.ctx.timeout)
-        return total
+        return self._waited(*self.start_forward_backward(batches, iteration=iteration))
 
     def start_forward_backward(
         self, batches: Sequence[Mapping[str, torch.Tensor]], *, iteration: int = 0
@@ -194,7 +191,10 @@ class GPTPipeline:
     def forward_only(self, batches: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
         """Evaluation: the float64 sum of the microbatch losses (on every pipeline rank), forward passes only."""
         self.loss.num_microbatches = len(batches)
-        total, work = self._start_sum_over_pipeline(self.runtime.forward_only(batches))
+        return self._waited(*self._start_sum_over_pipeline(self.runtime.forward_only(batches)))
+
+    def _waited(self, total: torch.Tensor, work: Any) -> torch.Tensor:
+        """``total`` once its pipeline-group sum ``work`` (``None``: nothing to wait for) has completed."""
         if work is not None:
             comm.wait(work, group=self.ctx.pp_group, timeout=self.ctx.timeout)
         return total

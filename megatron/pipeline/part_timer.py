@@ -84,8 +84,10 @@ class PartTimer:
         self.active = self.start_iter <= ex.iteration < self.end_iter
 
     def _timing_forward(self, module: Any) -> bool:
+        if not self.active or self._in_b or not torch.is_grad_enabled():  # outside the window: one attribute read
+            return False
         stage = self._owner.get(id(module))
-        return self.active and not self._in_b and torch.is_grad_enabled() and not (stage and stage.recompute_segments)
+        return not (stage is not None and stage.recompute_segments)
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
