@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 import torch
 
+from megatron.any_rank_flag import AnyRankFlag
 from megatron.arguments import RunConfig
 from megatron.checkpoint_files import check_writable
 from megatron.checkpointing import checkpoint_layer_split, load_checkpoint, save_checkpoint
@@ -309,12 +310,15 @@ def _train_loop(
     run_start = time.time()
     last_grad_norm: float | None = None
     saved_at = tr.iteration if ckpt.load else -1
+    time_flag = AnyRankFlag()  # --exit-duration-in-mins
     start_consumed = tr.consumed_train_samples
     # the same answer on every rank (the loss's read-back is collective); without a scalar sink nothing is read
     writes_scalars = bool(run.logging.tensorboard_dir or run.logging.wandb_project or logger.has_scalar_sink)
     while tr.iteration < t.train_iters:
         profile.before_iteration(tr.iteration)
-        res = train_step(tr)
+        nxt = tr.iteration + 1
+        scalars_next = writes_scalars and nxt % run.logging.tensorboard_log_interval == 0
+        res = train_step(tr, read_stats=scalars_next or _logs_at(tr, nxt))
         profile.after_iteration(tr.iteration)
         if collector is not None:
             collector.after_iteration(tr.iteration)
@@ -322,7 +326,7 @@ def _train_loop(
         if res.grad_stats is not None:
             last_grad_norm = res.grad_stats.norm
         it = tr.iteration
-        if writes_scalars and it % run.logging.tensorboard_log_interval == 0:
+        if scalars_next:
             settle_losses(tr)  # the scalars read the loss: reduced at these iterations on every rank
             logger.iteration_scalars(it, _scalars(tr, res))
         if _logs_at(tr, it):
@@ -340,7 +344,7 @@ def _train_loop(
             window.skipped += _count_skipped(settle_pending_step(tr))
             tr = _resplit(tr, decision, logger)
             window.start = time.time()  # moving the layers is not iteration time
-        saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time)
+        saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time, time_flag)
         if stop:
             break
     else:
@@ -392,20 +396,18 @@ def _resplit(tr: Trainer, decision: MeasuredSplit, logger: TrainingLogger) -> Tr
     return new
 
 
-def _time_is_up(tr: Trainer, start_time: float) -> bool:
-    """``--exit-duration-in-mins``: whether any rank's clock has passed it (one small all-reduce, so every rank
-    stops after the same iteration)."""
+def _time_is_up(tr: Trainer, start_time: float, flag: AnyRankFlag, *, wait: bool) -> bool:
+    """``--exit-duration-in-mins``: whether any rank's clock has passed it (an any-rank flag, so every rank stops
+    after the same iteration; reduced without a wait except where the run synchronises anyway)."""
     limit = tr.run.training.exit_duration_in_mins
     if limit is None:
         return False
-    late = int((time.time() - start_time) / 60.0 > limit)
-    if tr.ctx.is_distributed:
-        late = int(comm.all_reduce_values([late], op="max", dtype=torch.int64)[0])
-    return bool(late)
+    late = (time.time() - start_time) / 60.0 > limit
+    return flag.check(late, distributed=tr.ctx.is_distributed, wait=wait, timeout=tr.ctx.timeout)
 
 
 def _save_or_exit(
-    tr: Trainer, logger: TrainingLogger, signals: object, saved_at: int, start_time: float
+    tr: Trainer, logger: TrainingLogger, signals: object, saved_at: int, start_time: float, time_flag: AnyRankFlag
 ) -> tuple[int, bool]:
     """After iteration ``tr.iteration``: the interval checkpoint, then SIGTERM, ``--exit-duration-in-mins`` and
     ``--exit-interval`` (each saves first unless that iteration is saved already).  Returns (the last saved
@@ -414,8 +416,8 @@ def _save_or_exit(
     if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
         _save(tr, logger)
         saved_at = it
-    # The signal flag is reduced without a wait (answered one iteration later) except where the run synchronises
-    # anyway: a log line, an evaluation, a checkpoint, an exit, the last iteration.
+    # The signal and time flags are reduced without a wait (answered one iteration later) except where the run
+    # synchronises anyway: a log line, an evaluation, a checkpoint, an exit.
     wait = (
         _logs_at(tr, it)
         or saved_at == it
@@ -430,7 +432,7 @@ def _save_or_exit(
             saved_at = it
         logger.print(f"exiting program after receiving SIGTERM, at iteration {it}")
         return saved_at, True
-    if _time_is_up(tr, start_time):
+    if _time_is_up(tr, start_time, time_flag, wait=wait):
         if ckpt.save and saved_at != it:
             _save(tr, logger)
             saved_at = it

@@ -139,9 +139,11 @@ def settle_pending_step(tr: Trainer) -> list[SettledStep]:
     return settle(tr, tr.post_validation.take_settled())
 
 
-def train_step(tr: Trainer) -> StepResult:
+def train_step(tr: Trainer, *, read_stats: bool = True) -> StepResult:
     """One iteration: ``forward_backward`` then ``optimizer_step``; advances ``tr.iteration``.  The loss stays
-    pending (``tr.pending_results``) until ``settle_losses``."""
+    pending (``tr.pending_results``) until ``settle_losses``.  ``read_stats``: whether this iteration's optional
+    statistics (``--log-num-zeros-in-grad``, a collective) are computed -- the training loop asks for them only at
+    the iterations that log or write scalars, the same on every rank."""
     pending = forward_backward_pending(tr)
     scale = tr.optimizer.loss_scale  # the scale this iteration's gradients carry (post-validation set it in the plan)
     precision = tr.run.precision
@@ -150,7 +152,7 @@ def train_step(tr: Trainer) -> StepResult:
             f"the loss is {loss} at iteration {tr.iteration + 1} (--check-for-nan-in-loss-and-grad); "
             "lower --lr, raise --clip-grad strictness or resume from an earlier checkpoint"
         )
-    zeros = num_zeros_in_grad(tr) if tr.run.logging.log_num_zeros_in_grad else None
+    zeros = num_zeros_in_grad(tr) if read_stats and tr.run.logging.log_num_zeros_in_grad else None
     lr = tr.scheduler.current_lr
     settled = optimizer_step(tr)
     if tr.post_validation is not None:

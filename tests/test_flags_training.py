@@ -136,20 +136,25 @@ def test_exit_duration_in_mins_stops_the_run_and_saves(tmp_path) -> None:
     assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
-def _agree(rank: int, world_size: int) -> bool:
+def _agree(rank: int, world_size: int) -> tuple[bool, bool, bool]:
+    from megatron.any_rank_flag import AnyRankFlag
     from megatron.training import _time_is_up
 
     tr = SimpleNamespace(
         run=SimpleNamespace(training=SimpleNamespace(exit_duration_in_mins=1.0)),
-        ctx=SimpleNamespace(is_distributed=True),
+        ctx=SimpleNamespace(is_distributed=True, timeout=None),
     )
     start = time.time() - (120.0 if rank == 1 else 0.0)  # only rank 1's clock has passed the minute
-    return _time_is_up(tr, start)
+    flag = AnyRankFlag()
+    started = _time_is_up(tr, start, flag, wait=False)  # no answer yet: the reduction is only started
+    answered = _time_is_up(tr, start, flag, wait=False)  # the previous iteration's answer
+    now = _time_is_up(tr, start, AnyRankFlag(), wait=True)
+    return started, answered, now
 
 
 @pytest.mark.slow  # two processes (about 20 s on a loaded 2-core machine)
-def test_exit_duration_is_agreed_over_ranks() -> None:
-    assert run_multiprocess(_agree, 2, timeout_s=120) == [True, True]
+def test_exit_duration_is_agreed_over_ranks_one_iteration_later_without_a_wait() -> None:
+    assert run_multiprocess(_agree, 2, timeout_s=120) == [(False, True, True)] * 2
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints

@@ -3,10 +3,12 @@ action and its optimizer step, recorded through the communication layer (``zb_pi
 structure, not timings.
 
 With ``--enable-optimizer-post-validation`` the step needs no other rank, so nothing between the two may wait for
-one: no blocking collective and no wait on a receive or a collective (the loss's pipeline and data-parallel sums and
-the ``--exit-signal-handler`` flag are started asynchronously and read back at log lines).  With tied embeddings the
-one wait allowed is the embedding copy's own gradient sum, which must have been started right after the last W of
-the copy's stage.  The run's last iteration synchronises (log line, end of run) and is not checked.
+one: no blocking collective and no wait on a receive or a collective (the loss's pipeline and data-parallel sums
+are started asynchronously and read back at log lines; ``--log-num-zeros-in-grad`` counts only at the iterations
+that log).  Between the step and the next iteration's first compute action no blocking collective is called: the
+``--exit-signal-handler`` and ``--exit-duration-in-mins`` flags are reduced asynchronously, each answer read an
+iteration after it was started.  With tied embeddings the one wait allowed is the embedding copy's own gradient
+sum, which must have been started right after the last W of the copy's stage.  The run's last iteration synchronises (log line, end of run) and is not checked.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ BASE = [
     "--train-iters", str(ITERS), "--lr", "1e-2", "--lr-warmup-iters", "1", "--seed", "3", "--eval-iters", "0",
     "--log-interval", "100", "--distributed-timeout-seconds", "60", "--pipeline-model-parallel-size", "2",
     "--pipeline-schedule", "zb-h1", "--enable-optimizer-post-validation", "--exit-signal-handler",
+    "--exit-duration-in-mins", "10000", "--log-num-zeros-in-grad",
 ]  # fmt: skip
 COMPUTE = ("F", "B", "W", "BW")
 
@@ -85,18 +88,23 @@ def _recorded_run(rank: int, world_size: int, argv: list[str]) -> dict:
     return {"events": events, "losses": list(summary.losses)}
 
 
-def _boundaries(events: list) -> list[list]:
-    """For each checked iteration: the events from its last compute mark to its step mark (both included)."""
-    out, last_compute = [], None
+def _boundaries(events: list) -> tuple[list[list], list[list]]:
+    """For each checked iteration: the events from its last compute mark to its step mark, and from that step mark
+    to the next iteration's first compute mark (all included)."""
+    before, after, last_compute, step_at = [], [], None, None
     for i, (what, name, _, _, detail) in enumerate(events):
         if what == "mark" and name == "compute":
+            if step_at is not None:
+                after.append(events[step_at : i + 1])
+                step_at = None
             last_compute = i
         elif what == "mark" and name == "step":
             assert last_compute is not None, "a step before any compute action"
             if detail < ITERS:
-                out.append(events[last_compute : i + 1])
+                before.append(events[last_compute : i + 1])
+                step_at = i
             last_compute = None
-    return out
+    return before, after
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -106,8 +114,11 @@ def test_nothing_waits_for_another_rank_between_the_last_compute_and_the_step(ti
     assert results[0]["losses"] == results[1]["losses"] and len(results[0]["losses"]) == ITERS
     assert all(math.isfinite(x) for x in results[0]["losses"])
     for rank, res in enumerate(results):
-        windows = _boundaries(res["events"])
-        assert len(windows) == ITERS - 1, f"rank {rank}: {len(windows)} checked iterations"
+        windows, next_starts = _boundaries(res["events"])
+        assert len(windows) == len(next_starts) == ITERS - 1, f"rank {rank}: {len(windows)} checked iterations"
+        for window in next_starts:  # step -> next compute: the flags' reductions are started, none is called blocking
+            blocking = [name for what, name, _, waits, _ in window if what == "call" and waits]
+            assert blocking == [], f"rank {rank}: a blocking call after the step: {blocking}\n{window}"
         stage = rank  # one stage per rank (zb-h1, pp = 2)
         for window in windows:
             waits = [(name, group) for what, name, group, waits, _ in window if waits]
@@ -129,7 +140,8 @@ def test_nothing_waits_for_another_rank_between_the_last_compute_and_the_step(ti
                     f"rank {rank}: the tied gradient sum did not start right after stage {stage}'s last W: "
                     f"{res['events'][i - 3 : i + 1]}"
                 )
-        # The loss's pipeline sums and the signal flags of the unchecked iterations were started, not waited for.
+        # The loss's pipeline sums, the signal flags and the time-limit flags of the unchecked iterations were
+        # started, not waited for.
         calls = [(name, group, waits) for what, name, group, waits, _ in res["events"] if what == "call"]
         assert calls.count(("all_reduce", "pp", False)) == ITERS, calls
-        assert calls.count(("all_reduce", "world", False)) == ITERS - 1, calls
+        assert calls.count(("all_reduce", "world", False)) == 2 * (ITERS - 1), calls
