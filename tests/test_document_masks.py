@@ -170,15 +170,21 @@ def _pipeline_rank(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     cfg = ScheduleConfig(schedule="zb-h1", p2p_check=True)
     ctx = ParallelContext.initialize(pp=world_size, timeout=timedelta(seconds=30), chunks=1, placement="loop")
-    pipe = build_gpt_pipeline(
-        ctx, _pp_config(), cfg, num_microbatches=M, micro_batch_size=B, seed=11, dtype=torch.bfloat16
-    )
-    total = pipe.forward_backward(_document_batches())
-    grads = {}
-    for stage in pipe.stages.values():
-        for n, p in stage.named_parameters():
-            grads[stage.global_name(n)] = p.grad.float().numpy().copy()
-    return {"total": total.item(), "grads": grads}
+    out = {}
+    for use_fields in (True, False):  # without them: RoPE's implicit [s, 1, 1, r] tables on both stages
+        pipe = build_gpt_pipeline(
+            ctx, _pp_config(), cfg, num_microbatches=M, micro_batch_size=B, seed=11, dtype=torch.bfloat16
+        )
+        batches = _document_batches()
+        if not use_fields:
+            batches = [{k: v for k, v in b.items() if k not in ("position_ids", "document_ids")} for b in batches]
+        total = pipe.forward_backward(batches)
+        grads = {}
+        for stage in pipe.stages.values():
+            for n, p in stage.named_parameters():
+                grads[stage.global_name(n)] = p.grad.float().numpy().copy()
+        out[use_fields] = {"total": total.item(), "grads": grads}
+    return out
 
 
 def _reference(use_fields: bool) -> tuple[float, dict[str, np.ndarray]]:
@@ -195,14 +201,18 @@ def _reference(use_fields: bool) -> tuple[float, dict[str, np.ndarray]]:
 
 
 def test_pipeline_stages_get_the_position_ids_and_mask() -> None:
+    """zb-h1 on 2 ranks against the single model, bit for bit: with the fields (position ids and mask on every
+    stage), and without them (RoPE's implicit positions 0..s-1 and the causal mask on every stage)."""
     results = run_multiprocess(_pipeline_rank, 2, args=(), timeout_s=120)
-    ref_total, ref = _reference(True)
-    assert abs(_reference(False)[0] - ref_total) > 1e-4  # the fields change the loss
-    assert results[0]["total"] == results[1]["total"] == ref_total
-    got = {**results[0]["grads"], **results[1]["grads"]}
-    assert got.keys() == ref.keys()
-    for name, g in got.items():
-        assert np.array_equal(g, ref[name]), name
+    refs = {use_fields: _reference(use_fields) for use_fields in (True, False)}
+    assert abs(refs[False][0] - refs[True][0]) > 1e-4  # the fields change the loss
+    for use_fields, (ref_total, ref) in refs.items():
+        got0, got1 = results[0][use_fields], results[1][use_fields]
+        assert got0["total"] == got1["total"] == ref_total, use_fields
+        got = {**got0["grads"], **got1["grads"]}
+        assert got.keys() == ref.keys()
+        for name, g in got.items():
+            assert np.array_equal(g, ref[name]), (use_fields, name)
 
 
 def test_middle_pipeline_ranks_load_the_batches_the_fields_need() -> None:

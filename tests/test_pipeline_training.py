@@ -1,6 +1,7 @@
 """The trainer with pp = 2 (pretrain_gpt.py's ``pretrain``) against pp = 1 of the same code, seed and tp/dp.
 
-- Untied, clipping off: the losses of 3 steps and the validation loss are bit-identical (``==``) -- every stage's
+- Untied, clipping off: the losses of 3 steps and the validation loss are bit-identical (``==``), with learned
+  positions and with RoPE's implicit positions (each stage builds its own tables) -- every stage's
   weight gradients accumulate in microbatch order, the data-parallel all-reduce of two ranks is a commutative sum,
   and AdamW is elementwise.  (With clipping on, the global norm is a sum of squares split differently over ranks,
   so the clip factor may differ in the last bit.)
@@ -36,6 +37,7 @@ BASE = [
     "--log-interval", "1", "--distributed-timeout-seconds", "60",
 ]  # fmt: skip
 UNTIED = ["--untie-embeddings-and-output-weights"]
+ROPE = ["--position-embedding-type", "rope"]
 
 
 def _train(rank: int, world_size: int, argv: list[str]) -> dict:
@@ -106,6 +108,16 @@ def test_zb_h1_pp2_dp2_bit_identical_to_pp1_dp2(tmp_path) -> None:
     assert png.stat().st_size > 10_000
 
 
+def test_rope_implicit_positions_pp2_bit_identical_to_pp1() -> None:
+    """RoPE without position ids (every stage builds its own implicit ``[s, 1, 1, r]`` tables), zb-h1, m = 4: the
+    losses and the validation loss of pp = 2 equal pp = 1's to the bit."""
+    argv = [*BASE, *UNTIED, *ROPE, "--global-batch-size", "8", "--clip-grad", "0"]
+    ref = _reference(argv, 1)
+    got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1"], 2)[0]
+    assert got["losses"] == ref["losses"], (got, ref)
+    assert got["valid"] == ref["valid"] and len(ref["valid"]) == 1
+
+
 def test_zb_v_tied_embeddings_match_pp1() -> None:
     """zb-v (both tied copies on rank 0, summed locally) with clipping on: losses within 1e-4 of pp = 1."""
     argv = [*BASE, "--global-batch-size", "6", "--clip-grad", "1.0"]
@@ -144,6 +156,17 @@ def test_untied_bit_identical_slow(schedule: str) -> None:
     ref = _reference(argv, 1)
     got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule], 2)[0]
     assert got["losses"] == ref["losses"], (schedule, got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h2", "zb-v", "interleaved-zb"])
+def test_rope_implicit_positions_bit_identical_slow(schedule: str) -> None:
+    """RoPE without position ids, untied, clipping off: bit-identical losses for the other schedule families."""
+    argv = [*BASE, *UNTIED, *ROPE, "--global-batch-size", "8", "--clip-grad", "0"]
+    ref = _reference(argv, 1)
+    got = _pipeline([*argv, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", schedule], 2)[0]
+    assert got["losses"] == ref["losses"], (schedule, got, ref)
+    assert got["valid"] == ref["valid"], (schedule, got, ref)
 
 
 def _bucket_launch_rank(rank: int, world_size: int) -> dict:
