@@ -13,14 +13,18 @@ one (the zero-bubble paper's ZB-V rows at p = 16: one W of the 2-3% of idle time
 greedily: a released B first (in the plan's order), else the next W whose B has run (W's keep their order, so the
 weight gradients accumulate in the same order), else wait for the next release.  The result is kept only if the
 plan gets strictly shorter and the rank's peak memory stays within its cap.
+
+``tail_candidate`` runs it on a V plan with the compiled pass (``_v_shape_cpp.tail_fill``: one timed run of the
+plan and the same greedy, same floating-point expressions) or with this reference.
 """
 
 from __future__ import annotations
 
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.generators.v_shape_codes import cpp, to_codes, to_schedule
 from zb_pipeline.schedule.ir import Action, Kind, Schedule
 from zb_pipeline.schedule.memory import order_peak
-from zb_pipeline.schedule.simulate import SimResult
+from zb_pipeline.schedule.simulate import SimResult, simulate
 
 _EPS = 1e-9
 
@@ -90,3 +94,20 @@ def fill_first_stage_tail(sched: Schedule, costs: StageCosts, res: SimResult, ca
     if order_peak(ranks[r0], costs) > cap + _EPS:
         return unchanged
     return new, Schedule(sched.name, sched.num_ranks, sched.num_stages, sched.num_microbatches, place, ranks)
+
+
+def tail_candidate(
+    name: str, p: int, m: int, costs: StageCosts, sched: Schedule, cap: float, backend: str
+) -> tuple[float, Schedule] | None:
+    """``fill_first_stage_tail`` on V plan ``sched`` (stage 0 on rank 0), compiled when ``backend == "cpp"``: the
+    (makespan, plan) it gives, or ``None`` where it hands ``sched`` back."""
+    if backend != "cpp":
+        span, out = fill_first_stage_tail(sched, costs, simulate(sched, costs), cap)
+        return None if out is sched else (span, out)
+    codes = to_codes(sched.ranks, m)
+    got = cpp.tail_fill(p, m, costs.f, costs.b, costs.w, costs.comm, codes)
+    if got is None:
+        return None
+    span, codes[0] = got
+    out = to_schedule(name, p, m, codes)
+    return None if order_peak(out.ranks[0], costs) > cap + _EPS else (span, out)

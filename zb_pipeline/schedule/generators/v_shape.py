@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zb_pipeline.schedule.costs import StageCosts
-from zb_pipeline.schedule.generators.first_stage_tail import fill_first_stage_tail
+from zb_pipeline.schedule.generators.first_stage_tail import tail_candidate
 from zb_pipeline.schedule.generators.order_polish import polish_orders
 from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_codes
 from zb_pipeline.schedule.generators.v_shape_block import block_codes
@@ -243,10 +243,9 @@ def _candidates(
         polished = polish_orders(best, costs, peak_caps(p, costs, caps), budget=_POLISH_WORK // n)
         add_plan(simulate(polished, costs).makespan, polished)
     # The best plan with the tail of stage 0's rank (rank 0) re-ordered, where that is strictly shorter.
-    best = _first_best(out)[1]()
-    span, tailed = fill_first_stage_tail(best, costs, simulate(best, costs), peak_caps(p, costs, caps)[0])
-    if tailed is not best:
-        add_plan(span, tailed)
+    tailed = tail_candidate(name, p, m, costs, _first_best(out)[1](), peak_caps(p, costs, caps)[0], backend)
+    if tailed is not None:
+        add_plan(*tailed)
     return out
 
 
