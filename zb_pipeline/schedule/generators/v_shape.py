@@ -30,6 +30,9 @@ within the caps is kept (ties: the first):
    caps (``_legacy_cap_units``) they are exactly the plans of the earlier version, so no plan gets longer than it
    was (on plans of at most ``_LEGACY_MAX_ACTIONS`` compute actions, where they run); the template also runs under
    the new caps.
+4. *The best of these with the tail of rank 0 re-ordered* (``first_stage_tail``): after rank 0's last F and last
+   B of stage 2p-1 nothing it runs feeds another rank, so W's may fill its waits for the stage-0 B's even where they
+   overrun them; kept where that is strictly shorter (one W at the end of the zero-bubble paper's p = 16 rows).
 
 Large plans: knob settings and block variants are first compared on a shortened plan (``_PROBE_M``
 microbatches; warm-up and cool-down do not depend on m beyond that), then only the best few are run at full length.
