@@ -101,7 +101,7 @@ def tail_candidate(
 ) -> tuple[float, Schedule] | None:
     """``fill_first_stage_tail`` on V plan ``sched`` (stage 0 on rank 0), compiled when ``backend == "cpp"``: the
     (makespan, plan) it gives, or ``None`` where it hands ``sched`` back."""
-    if backend != "cpp":
+    if backend != "cpp" or not hasattr(cpp, "tail_fill"):  # the reference (also under a build older than the pass)
         span, out = fill_first_stage_tail(sched, costs, simulate(sched, costs), cap)
         return None if out is sched else (span, out)
     codes = to_codes(sched.ranks, m)
