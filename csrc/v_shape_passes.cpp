@@ -390,16 +390,30 @@ bool squeeze(const Costs& c, const std::vector<std::vector<std::tuple<int, int, 
 
 // ------------------------------------------------------------------------------------------------ timing
 
-// simulate.py's makespan (largest rank span) of a plan of F/B/W codes; throws if it can never finish.
-double makespan(const Costs& c, const Plans& plans) {
+// What a timed run of a plan leaves: when each event happened (F ended, input gradient ready, W ended; -1: never),
+// on which rank, each rank's first start and last end, and the end of each action of rank 0 (by plan position).
+struct Timing {
+  Vec done_time;
+  std::vector<int> done_rank;
+  Vec first, clock, ends0;
+};
+
+// simulate.py's timing of a plan of F/B/W codes; throws if it can never finish.
+void run_plan(const Costs& c, const Plans& plans, Timing& tm) {
   const int p = c.p, m = c.m, S = c.S;
   if (static_cast<int>(plans.size()) != p) throw std::invalid_argument("v-shape: one plan per rank expected");
   const size_t n = static_cast<size_t>(S) * m * 3;
-  Vec done_time(n, -1.0);
-  std::vector<int> done_rank(n, 0);
+  Vec& done_time = tm.done_time;
+  std::vector<int>& done_rank = tm.done_rank;
+  done_time.assign(n, -1.0);
+  done_rank.assign(n, 0);
+  tm.first.assign(p, -1.0);
+  tm.clock.assign(p, 0.0);
+  tm.ends0.assign(plans[0].size(), 0.0);
   std::vector<std::vector<int>> waiting(n);
   std::vector<int> pos(p, 0), blocked(p, -1);
-  Vec clock(p, 0.0), first(p, -1.0);
+  Vec& clock = tm.clock;
+  Vec& first = tm.first;
   std::vector<int> ready;
   for (int r = p - 1; r >= 0; --r) ready.push_back(r);
   const int step = 3 * m;
@@ -446,6 +460,7 @@ double makespan(const Costs& c, const Plans& plans) {
       if (first[r] < 0) first[r] = start;
       const double end = start + dur;
       t_rank = end;
+      if (r == 0) tm.ends0[i] = end;
       const int key = base + (kind == 0 ? 0 : kind == 1 ? 1 : 2);
       done_time[key] = end;
       done_rank[key] = r;
@@ -458,12 +473,81 @@ double makespan(const Costs& c, const Plans& plans) {
     pos[r] = i;
     clock[r] = t_rank;
   }
-  double span = 0.0;
-  for (int r = 0; r < p; ++r) {
+  for (int r = 0; r < p; ++r)
     if (blocked[r] >= 0) throw std::invalid_argument("v-shape: plan can never finish");
-    if (!plans[r].empty()) span = std::max(span, clock[r] - first[r]);
-  }
+}
+
+double span_of(const Plans& plans, const Timing& tm, int skip = -1) {
+  double span = 0.0;
+  for (int r = 0; r < static_cast<int>(plans.size()); ++r)
+    if (r != skip && !plans[r].empty()) span = std::max(span, tm.clock[r] - tm.first[r]);
   return span;
+}
+
+// simulate.py's makespan (largest rank span) of a plan of F/B/W codes; throws if it can never finish.
+double makespan(const Costs& c, const Plans& plans) {
+  Timing tm;
+  run_plan(c, plans, tm);
+  return span_of(plans, tm);
+}
+
+// first_stage_tail.fill_first_stage_tail's re-ordering of rank 0's tail (stage 0 is on rank 0): the new makespan
+// and rank 0's new plan in `out`, or -1 where that is not strictly shorter (then `out` is left as it was).
+double tail_fill(const Costs& c, const Plans& plans, std::vector<int>& out) {
+  const int m = c.m;
+  const auto& acts = plans[0];
+  const int na = static_cast<int>(acts.size());
+  int cut = 0;
+  for (int i = na - 1; i >= 0; --i) {
+    const int kind = acts[i] % 3, s = acts[i] / 3 / m;
+    if (kind == 0 || (kind == 1 && s > 0)) {
+      cut = i + 1;
+      break;
+    }
+  }
+  if (cut == 0 || cut >= na - 1) return -1.0;
+  Timing tm;
+  run_plan(c, plans, tm);
+  const double old = span_of(plans, tm);
+  Vec bt = tm.done_time;  // input-gradient ready times; the suffix's own B's are not run yet
+  std::vector<int> bs, ws;
+  for (int i = cut; i < na; ++i) {
+    if (acts[i] % 3 == 1) {
+      bs.push_back(acts[i]);
+      bt[acts[i]] = kInf;
+    } else {
+      ws.push_back(acts[i]);
+    }
+  }
+  const double hop = c.place[1] != 0 ? c.c : 0.0;
+  double t = tm.ends0[cut - 1];
+  std::vector<int> tail;
+  size_t ib = 0, iw = 0;
+  while (ib < bs.size() || iw < ws.size()) {
+    const int k = ib < bs.size() ? (bs[ib] / 3) % m : 0;
+    const double rel_b = ib < bs.size() ? tm.done_time[(1 * m + k) * 3 + 1] + hop : kInf;
+    const double rel_w = iw < ws.size() ? bt[ws[iw] - 1] : kInf;
+    int a;
+    double dur;
+    if (ib < bs.size() && rel_b <= t + kEps) {
+      a = bs[ib++];
+      dur = c.b[0];
+      bt[a] = t + dur;
+    } else if (rel_w <= t + kEps) {
+      a = ws[iw++];
+      dur = c.w[a / 3 / m];
+    } else {
+      t = std::min(rel_b, rel_w);
+      continue;
+    }
+    tail.push_back(a);
+    t += dur;
+  }
+  const double fresh = std::max(span_of(plans, tm, 0), t - tm.first[0]);
+  if (fresh >= old - kEps) return -1.0;
+  out.assign(acts.begin(), acts.begin() + cut);
+  out.insert(out.end(), tail.begin(), tail.end());
+  return fresh;
 }
 
 Costs make_costs(int p, int m, Vec f, Vec b, Vec w, double comm, Vec mf, Vec mb, Vec mw) {
@@ -518,6 +602,19 @@ PYBIND11_MODULE(_v_shape_cpp, mod) {
     Plans plans;
     if (!squeeze(c, block_order(c, m, o_f, o_b, period), caps, fill, plans)) return kInf;
     return makespan(c, plans);
+  });
+  mod.def("tail_fill", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) -> py::object {
+    const int S = 2 * p;
+    const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, Vec(S, 0.0), Vec(S, 0.0),
+                               Vec(S, 0.0));
+    std::vector<int> out;
+    double span;
+    {
+      py::gil_scoped_release release;
+      span = tail_fill(c, plans, out);
+    }
+    if (span < 0) return py::none();
+    return py::make_tuple(span, out);
   });
   mod.def("makespan", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) {
     const int S = 2 * p;

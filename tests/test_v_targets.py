@@ -12,8 +12,10 @@ the paper's columns exactly under it).  Targets, each at the schedule's cap (``v
 - v-half: at most halfway between the paper's ZB-H1 and 1F1B;
 - v-min: at most 1F1B's + 12 points.
 
-Rows a schedule does not reach yet are listed in ``MISSES`` with the bubble measured now: those rows assert the
-measured value (so they cannot get worse) and are reported as expected failures of the target.
+Rows a schedule does not reach yet are listed in ``MISSES`` with the bubble measured now (six decimals): those rows
+assert the measured value (so they cannot get worse) and are reported as expected failures of the target.  zb-v's
+three p = 16 rows equal the paper's printed values at its four decimals (0.0697, 0.0533, 0.0274) but are above them
+unrounded by 2.4e-5, 4.3e-5 and 2.8e-5 (docs/schedules.md says why).
 
 One row per schedule runs in ``make test``; the table and the uniform grid up to p = 32 in ``make test-slow``.
 """
@@ -35,9 +37,9 @@ TABLE = ZB_V_TABLE  # model, p, m, F, B, W, c (per chunk, us), the paper's 1F1B,
 
 # (schedule, row index) -> the bubble measured now, where the target is not reached yet.
 MISSES: dict[tuple[str, int], float] = {
-    ("zb-v", 0): 0.0720,
-    ("zb-v", 1): 0.0551,
-    ("zb-v", 2): 0.0284,
+    ("zb-v", 0): 0.069725,
+    ("zb-v", 1): 0.053344,
+    ("zb-v", 2): 0.027429,
 }
 FAST_ROWS = {"zb-v": 3, "v-half": 0, "v-min": 0}  # the rows in make test
 
@@ -66,8 +68,8 @@ def _check_row(name: str, i: int) -> None:
         ref = max(peak_memory(generate("1f1b", p, m, costs=flat), flat))
         assert max(res.peak_memory) <= ref + 1e-9, (max(res.peak_memory), ref)
     if (name, i) in MISSES:
-        assert res.bubble_rate <= MISSES[(name, i)] + 5e-5, f"{name} row {i}: {res.bubble_rate:.4f} got worse"
-        pytest.xfail(f"{name} row {i}: {res.bubble_rate:.4f} against the target {target(name, row):.4f}")
+        assert res.bubble_rate <= MISSES[(name, i)], f"{name} row {i}: {res.bubble_rate:.6f} got worse"
+        pytest.xfail(f"{name} row {i}: {res.bubble_rate:.6f} against the target {target(name, row):.4f}")
     assert res.bubble_rate <= target(name, row) + 1e-12, (name, i, res.bubble_rate, target(name, row))
 
 

@@ -100,6 +100,11 @@ class SimResult:
         except KeyError:
             raise KeyError(f"action {action} is not in schedule {self.schedule.name!r}") from None
 
+    def rank_times(self, rank: int) -> _RankTimes:
+        """Rank ``rank``'s (plan position, start, end) of each compute action, in execution order, without building
+        the timeline of every rank."""
+        return self._times[rank]
+
     def start(self, action: PlanAction) -> float:
         return self.timed(action).start
 

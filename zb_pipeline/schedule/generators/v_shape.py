@@ -30,6 +30,9 @@ within the caps is kept (ties: the first):
    caps (``_legacy_cap_units``) they are exactly the plans of the earlier version, so no plan gets longer than it
    was (on plans of at most ``_LEGACY_MAX_ACTIONS`` compute actions, where they run); the template also runs under
    the new caps.
+4. *The best of these with the tail of rank 0 re-ordered* (``first_stage_tail``): after rank 0's last F and last
+   B of stage 2p-1 nothing it runs feeds another rank, so W's may fill its waits for the stage-0 B's even where they
+   overrun them; kept where that is strictly shorter (one W at the end of the zero-bubble paper's p = 16 rows).
 
 Large plans: knob settings and block variants are first compared on a shortened plan (``_PROBE_M``
 microbatches; warm-up and cool-down do not depend on m beyond that), then only the best few are run at full length.
@@ -48,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zb_pipeline.schedule.costs import StageCosts
+from zb_pipeline.schedule.generators.first_stage_tail import tail_candidate
 from zb_pipeline.schedule.generators.order_polish import polish_orders
 from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_codes
 from zb_pipeline.schedule.generators.v_shape_block import block_codes
@@ -197,6 +201,15 @@ def _new_codes(
     return out
 
 
+def _first_best(cands: list[tuple[float, Callable[[], Schedule]]]) -> tuple[float, Callable[[], Schedule]]:
+    """The candidate with the shortest makespan (ties: the first)."""
+    best = cands[0]  # the block's squeeze and the template always finish
+    for cand in cands[1:]:
+        if cand[0] < best[0] - _EPS:
+            best = cand
+    return best
+
+
 def _candidates(
     name: str, p: int, m: int, costs: StageCosts, caps: list[float], backend: str
 ) -> list[tuple[float, Callable[[], Schedule]]]:
@@ -232,6 +245,10 @@ def _candidates(
         best = min(out, key=lambda c: c[0])[1]()
         polished = polish_orders(best, costs, peak_caps(p, costs, caps), budget=_POLISH_WORK // n)
         add_plan(simulate(polished, costs).makespan, polished)
+    # The best plan with the tail of stage 0's rank (rank 0) re-ordered, where that is strictly shorter.
+    tailed = tail_candidate(name, p, m, costs, _first_best(out)[1](), peak_caps(p, costs, caps)[0], backend)
+    if tailed is not None:
+        add_plan(*tailed)
     return out
 
 
@@ -256,12 +273,7 @@ def plan_v(
         if costs.mem_f[s] < 0:
             raise ValueError(f"{name}: mem_f of stage {s} is {costs.mem_f[s]}; forward memory must be >= 0")
     caps = rank_caps(name, p, costs, mem_limit)
-    best: tuple[float, Callable[[], Schedule]] | None = None
-    for span, build in _candidates(name, p, m, costs, caps, resolve_backend(backend)):
-        if best is None or span < best[0] - _EPS:  # ties: the first variant
-            best = (span, build)
-    assert best is not None  # the block's squeeze and the template always finish
-    return best[1]()
+    return _first_best(_candidates(name, p, m, costs, caps, resolve_backend(backend)))[1]()
 
 
 # What the three V schedules register alike: each fixes its own memory bound, so no memory limit applies.
