@@ -20,16 +20,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_overhead import gaps, summarise  # noqa: E402
 
 
-def test_gaps_split_the_time_between_actions_into_backend_and_runtime() -> None:
+def test_gaps_split_the_time_between_actions_into_backend_runtime_cpu_and_off_cpu() -> None:
     ms = 1e-3
-    actions = [(0.0, 10 * ms), (10.5 * ms, 20 * ms), (25 * ms, 30 * ms), (30.2 * ms, 40 * ms)]
-    spans = [(10.1 * ms, 10.2 * ms), (10.6 * ms, 10.65 * ms), (30.05 * ms, 30.1 * ms), (20.5 * ms, 24.9 * ms)]
-    waits = [(10.6 * ms, 10.65 * ms), (25.0 * ms, 25.0 * ms + 3 * ms)]  # the second one blocked: not overhead
-    got = gaps(actions, spans, waits)
-    # pair 1: gap = (10.5 - 10) + (10.65 - 10.5), backend = 0.1 + 0.05; pair 3: gap 0.2, no wait, backend 0.05
-    assert [x for pair in got for x in pair] == pytest.approx([0.65 * ms, 0.15 * ms, 0.2 * ms, 0.05 * ms])
+    # (wall start, wall end, the main thread's CPU clock at start, at end), in ms
+    actions = [(0, 10, 0, 10), (10.5, 20, 10.3, 19.8), (25, 30, 24.8, 29.8), (30.2, 40, 30.0, 39.8)]
+    recv_wait, blocked = (10.6, 10.65, 10.35, 10.40), (25.0, 28.0, 24.8, 24.9)  # the second one blocked: no overhead
+    spans = [(10.1, 10.2, 10.0, 10.02), recv_wait, blocked, (30.05, 30.1, 29.85, 29.9), (20.5, 24.9, 20.3, 20.4)]
+
+    def sec(rows):
+        return [tuple(x * ms for x in row) for row in rows]
+
+    got = gaps(sec(actions), sec(spans), sec([recv_wait, blocked]))
+    # pair 1: gap = 10.65 - 10 = 0.65 ms, backend 0.1 + 0.05 wall (0.02 + 0.05 CPU); the thread's CPU over the gap
+    # 10.40 - 10 = 0.40, so runtime CPU 0.40 - 0.07 = 0.33 and off-CPU 0.65 - 0.15 - 0.33 = 0.17.
+    # pair 3: gap 0.2, backend 0.05 (on the CPU), CPU 0.2 - 0.05 = 0.15, off-CPU 0.
+    want = [0.65, 0.15, 0.33, 0.2, 0.05, 0.15]
+    assert [x for pair in got for x in pair] == pytest.approx([w * ms for w in want])
     s = summarise(got)
     assert s["n"] == 2 and s["runtime_mean"] == pytest.approx(((0.65 - 0.15) + (0.2 - 0.05)) / 2)
+    assert s["runtime_cpu_mean"] == pytest.approx((0.33 + 0.15) / 2)
+    assert s["off_cpu_mean"] == pytest.approx(0.17 / 2) and s["off_cpu_median"] == pytest.approx(0.17 / 2)
 
 
 class _Work:
