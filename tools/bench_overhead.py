@@ -169,7 +169,7 @@ def gaps(actions: list[Span], spans: list[Span], waits: list[Span]) -> list[tupl
 
 
 def _rank(rank: int, world: int, name: str, m: int, compute: str, iterations: int, costs: str, *profiling: Any):
-    prof, prof_rank = profiling  # cProfile output path (or None) and the rank it profiles
+    prof, prof_rank, prof_clock = profiling  # cProfile output path (or None), the rank it profiles, its clock
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -193,7 +193,8 @@ def _rank(rank: int, world: int, name: str, m: int, compute: str, iterations: in
             EmulatedCompute(EmulatedCosts.parse(costs), chunks=sched.chunks, boundary_specs=specs).attach(ex)
         actions: list[tuple[float, float]] = []
         _record_actions(ex, actions)
-        profiler = cProfile.Profile() if prof and rank == prof_rank else None
+        clock = thread_time if prof_clock == "cpu" else perf_counter  # cpu: what each function costs on the CPU
+        profiler = cProfile.Profile(clock) if prof and rank == prof_rank else None
         per_iter = []
         warmup = 2
         for it in range(iterations + warmup):
@@ -238,10 +239,20 @@ def summarise(samples: Sequence[tuple[float, float, float]]) -> dict[str, float]
 
 
 def run_case(
-    name: str, pp: int, m: int, compute: str, iterations: int, costs: str, prof: str | None, prof_rank: int = 0
+    name: str,
+    pp: int,
+    m: int,
+    compute: str,
+    iterations: int,
+    costs: str,
+    prof: str | None,
+    prof_rank: int = 0,
+    prof_clock: str = "wall",
 ) -> list[dict]:
-    """One launch of ``pp`` ranks; per rank the ``summarise``d gaps (``prof``: cProfile ``prof_rank`` into it)."""
-    results = run_multiprocess(_rank, pp, args=(name, m, compute, iterations, costs, prof, prof_rank), timeout_s=600)
+    """One launch of ``pp`` ranks; per rank the ``summarise``d gaps (``prof``: cProfile ``prof_rank`` into it, timed
+    by ``prof_clock``: "wall" or "cpu", the main thread's CPU time)."""
+    args = (name, m, compute, iterations, costs, prof, prof_rank, prof_clock)
+    results = run_multiprocess(_rank, pp, args=args, timeout_s=600)
     return [summarise(r["gaps"]) for r in results]
 
 
@@ -304,6 +315,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile-out", default=None, help="cProfile one rank of one long emulated zb-h2 run (pp 4) here")
     ap.add_argument("--profile-rank", type=int, default=0, choices=range(4), help="the rank --profile-out profiles")
     ap.add_argument("--profile-schedule", default="zb-h2", help="the schedule --profile-out runs (default zb-h2)")
+    ap.add_argument(
+        "--profile-clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cProfile's clock: wall time, or the main thread's CPU time (what each function costs, not counting "
+        "time descheduled)",
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="directory for overhead.md/.json")
     ap.add_argument("--quick", action="store_true", help="pp 2 only, two schedules, 2 iterations")
     args = ap.parse_args(argv)
@@ -352,8 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     if args.profile_out:
         name = args.profile_schedule
-        run_case(name, 4, 32, "emulated", 30, args.emulate_compute, args.profile_out, args.profile_rank)
-        where = f"rank {args.profile_rank} ({name}, p = 4, m = 32, 30 iterations, emulated)"
+        run_case(
+            name, 4, 32, "emulated", 30, args.emulate_compute, args.profile_out, args.profile_rank, args.profile_clock
+        )
+        where = f"rank {args.profile_rank} ({name}, p = 4, m = 32, 30 iterations, emulated, {args.profile_clock} clock)"
         lines += ["", f"## cProfile of {where}: {args.profile_out}", ""]
         lines += _profile_summary(args.profile_out)
     os.makedirs(args.out, exist_ok=True)
