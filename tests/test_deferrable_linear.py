@@ -307,3 +307,22 @@ def test_split_backward_immediate_without_store() -> None:
     (gx,) = split_backward([y], [torch.ones_like(y)], [x], list(lin.parameters()), None)
     torch.testing.assert_close(gx, torch.ones(2, 3) @ lin.weight)
     torch.testing.assert_close(lin.bias.grad, torch.full((3,), 2.0))
+
+
+def test_direct_apply_matches_function_apply_and_keeps_the_full_path_under_functorch() -> None:
+    """The hot path calls the autograd functions' C++ ``apply`` straight: same output, same gradients (bit for bit)
+    as ``Function.apply``, with a store bound and not deferring (a BW); under a functorch transform it takes
+    ``Function.apply``'s own path, which refuses these functions as before (no ``setup_context``)."""
+    from zb_pipeline.runtime import deferrable_linear as dl
+
+    g = torch.Generator().manual_seed(3)
+    x0, w0, b0 = (torch.randn(shape, generator=g) for shape in ((5, 2, 8), (6, 8), (6,)))
+    runs = []
+    for apply in (dl._linear_apply, dl._DeferrableLinear.apply):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        y = apply(x, w, b, WeightGradStore(), None)
+        dl.deferrable_bias_add(y, b, None).square().sum().backward()
+        runs.append([y.detach(), x.grad, w.grad, b.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda x: dl.deferrable_linear(x, w0, b0).sum())(x0)

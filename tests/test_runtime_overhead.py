@@ -5,6 +5,7 @@ completion on NCCL (the host never waits for the device there) and host waits wi
 from __future__ import annotations
 
 import sys
+import weakref
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,16 +21,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_overhead import gaps, summarise  # noqa: E402
 
 
-def test_gaps_split_the_time_between_actions_into_backend_and_runtime() -> None:
+def test_gaps_split_the_time_between_actions_into_backend_runtime_cpu_and_off_cpu() -> None:
     ms = 1e-3
-    actions = [(0.0, 10 * ms), (10.5 * ms, 20 * ms), (25 * ms, 30 * ms), (30.2 * ms, 40 * ms)]
-    spans = [(10.1 * ms, 10.2 * ms), (10.6 * ms, 10.65 * ms), (30.05 * ms, 30.1 * ms), (20.5 * ms, 24.9 * ms)]
-    waits = [(10.6 * ms, 10.65 * ms), (25.0 * ms, 25.0 * ms + 3 * ms)]  # the second one blocked: not overhead
-    got = gaps(actions, spans, waits)
-    # pair 1: gap = (10.5 - 10) + (10.65 - 10.5), backend = 0.1 + 0.05; pair 3: gap 0.2, no wait, backend 0.05
-    assert [x for pair in got for x in pair] == pytest.approx([0.65 * ms, 0.15 * ms, 0.2 * ms, 0.05 * ms])
+    # (wall start, wall end, the main thread's CPU clock at start, at end), in ms
+    actions = [(0, 10, 0, 10), (10.5, 20, 10.3, 19.8), (25, 30, 24.8, 29.8), (30.2, 40, 30.0, 39.8)]
+    recv_wait, blocked = (10.6, 10.65, 10.35, 10.40), (25.0, 28.0, 24.8, 24.9)  # the second one blocked: no overhead
+    spans = [(10.1, 10.2, 10.0, 10.02), recv_wait, blocked, (30.05, 30.1, 29.85, 29.9), (20.5, 24.9, 20.3, 20.4)]
+
+    def sec(rows):
+        return [tuple(x * ms for x in row) for row in rows]
+
+    got = gaps(sec(actions), sec(spans), sec([recv_wait, blocked]))
+    # pair 1: gap = 10.65 - 10 = 0.65 ms, backend 0.1 + 0.05 wall (0.02 + 0.05 CPU); the thread's CPU over the gap
+    # 10.40 - 10 = 0.40, so runtime CPU 0.40 - 0.07 = 0.33 and off-CPU 0.65 - 0.15 - 0.33 = 0.17.
+    # pair 3: gap 0.2, backend 0.05 (on the CPU), CPU 0.2 - 0.05 = 0.15, off-CPU 0.
+    want = [0.65, 0.15, 0.33, 0.2, 0.05, 0.15]
+    assert [x for pair in got for x in pair] == pytest.approx([w * ms for w in want])
     s = summarise(got)
     assert s["n"] == 2 and s["runtime_mean"] == pytest.approx(((0.65 - 0.15) + (0.2 - 0.05)) / 2)
+    assert s["runtime_cpu_mean"] == pytest.approx((0.33 + 0.15) / 2)
+    assert s["off_cpu_mean"] == pytest.approx(0.17 / 2) and s["off_cpu_median"] == pytest.approx(0.17 / 2)
 
 
 class _Work:
@@ -143,3 +154,37 @@ def test_split_cost_ratio_is_b_plus_w_over_the_fused_bw_per_stage() -> None:
     assert split_cost_ratio(fused, fused) == (None, None)
     with pytest.raises(ValueError, match="different layouts"):
         split_cost_ratio(split, prof("zb-v", (1.0,) * 4, (1.0,) * 4, (None,) * 4))
+
+
+def test_a_host_receive_buffer_is_reused_only_once_nothing_holds_it() -> None:
+    """The P2P layer hands a receive an earlier receive's buffer from the same peer only when no Python reference, no
+    autograd graph, no view and no send in flight holds it, reset to a new buffer's state (no grad, not a leaf that
+    requires grad); an abandoned (possibly still landing) receive's buffer is never reused."""
+    fake = _CountingDist("gloo")
+    spec = TensorSpec((2, 3))
+    with comm.use(fake):
+        p2p = PipelineP2P(pp_rank=1, boundary_specs=[spec], pp_ranks=(0, 1), timeout_s=5)
+
+        def receive(mb: int) -> torch.Tensor:
+            p2p.post(CommBatch((Action(1, Kind.RECV_F, mb, peer=0),)), lambda a: None)
+            return p2p.take(Kind.RECV_F, 1, mb, Action(1, Kind.F, mb))
+
+        x = receive(0)
+        first = x.data_ptr()
+        x.requires_grad_()
+        y = (x * x).sum()  # the graph saves x
+        holders = {"python": x, "view": x.view(6), "detached": x.detach()}
+        del x
+        for name in list(holders):
+            assert receive(1).data_ptr() != first, f"reused while a {name} reference held it"
+            del holders[name]
+        assert receive(2).data_ptr() != first, "reused while autograd's graph saved it"
+        y.backward()
+        del y
+        again = receive(3)
+        assert again.data_ptr() == first and not again.requires_grad and again.grad is None
+        del again
+        p2p.post(CommBatch((Action(1, Kind.RECV_F, 4, peer=0),)), lambda a: None)
+        landing = weakref.ref(p2p._recvs[(Kind.RECV_F, 1, 4)][1])
+        p2p.abandon()
+        assert landing() is None, "an abandoned receive's buffer is still kept for reuse"
