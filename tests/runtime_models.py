@@ -170,7 +170,6 @@ def pipeline_rank(rank: int, world_size: int, case: Case) -> dict:
         "losses": losses,
         "grads": _grads(stages),
         "trace": tracer.chrome_events() if tracer is not None else None,
-        "buffers_reused": p2p.buffers_reused,
     }
 
 

@@ -34,7 +34,6 @@ checking mode this layer makes gloo behave like the strict model and verifies th
 
 from __future__ import annotations
 
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -153,12 +152,6 @@ class PipelineP2P:
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
         self._expected: dict[tuple[int, bool], deque[Action]] | None = None
         self._preposted: set[Action] = set()  # receives posted ahead of their batch (``prepost``)
-        # Host receive buffers handed out before, per (peer, spec): one is reused once nothing else holds it
-        # (``_recv_buffer``).  Host only: on a GPU the last reader may still be queued on a stream.
-        self._reuse = self.device.type == "cpu"
-        self._buffers: dict[tuple[int, TensorSpec], list[torch.Tensor]] = {}
-        self._free_refs = 0  # sys.getrefcount of a pooled buffer nothing else holds, seen from _recv_buffer
-        self.buffers_reused = 0  # receives that got an earlier receive's buffer
 
     # -- plan order (checking mode) -------------------------------------------------------------------------
     def expect(self, steps: Sequence[LoweredStep]) -> None:
@@ -274,38 +267,8 @@ class PipelineP2P:
             self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
 
     def _recv_buffer(self, a: Action) -> torch.Tensor:
-        """A buffer for receive ``a`` (its boundary spec): on the host, an earlier receive's buffer from the same peer
-        that nothing holds any more (no other Python reference, ``_unshared``), reset to a new buffer's state; else a
-        new one.
-
-        A received activation is the input leaf autograd saves until its B and a deferred W may hold views of it or
-        of a received gradient until W; a send may still be moving a tensor that shares its memory.  Every such
-        holder keeps a reference to the tensor, its implementation or its storage, so a buffer is reused only after
-        the last of them let go.  A new buffer cost 15-20 us of CPU per receive on the benchmark machine (cache-cold
-        after a bubble; ``tools/bench_overhead.py --profile-clock cpu``)."""
+        """A fresh buffer for receive ``a`` (its boundary spec)."""
         spec = self.spec_of(a)
-        if self._reuse:
-            pool = self._buffers.get((a.peer, spec))
-            if pool is None:
-                pool = self._buffers[(a.peer, spec)] = []
-            free_refs = self._free_refs
-            for i in range(len(pool)):  # the oldest first: the likeliest to be free
-                buf = pool[i]
-                # Python references: the pool's and this frame's alone (as counted when the buffer was new).
-                if sys.getrefcount(buf) <= free_refs and _unshared(buf):
-                    del pool[i]
-                    pool.append(buf)
-                    self.buffers_reused += 1
-                    if buf.requires_grad:  # the input leaf of an F: back to a new buffer's state
-                        buf.grad = None
-                        buf.requires_grad_(False)
-                    return buf
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
-            if len(pool) < _MAX_POOLED:
-                pool.append(buf)
-                if free_refs == 0:
-                    self._free_refs = sys.getrefcount(buf)
-            return buf
         return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
 
     def _send_tensor(self, a: Action, payload: Callable[[Action], torch.Tensor]) -> torch.Tensor:
@@ -531,26 +494,11 @@ class PipelineP2P:
         return [e[2] for e in self._recvs.values()] + [s[2] for s in self._sends if not s[0].is_completed()]
 
     def abandon(self) -> None:
-        """Forget all outstanding ops (after an error).  Their receive buffers are not reused: an abandoned receive
-        may still land in its buffer."""
-        self._buffers.clear()
+        """Forget all outstanding ops (after an error)."""
         self._recvs.clear()
         self._sends.clear()
         self._acks.clear()
         self._preposted.clear()
-
-
-# Buffers kept per (peer, spec): more than a plan holds in flight from one peer in the usual schedules (1F1B holds
-# up to p activations of one peer, plus the receives posted ahead); beyond it, new buffers are not kept.
-_MAX_POOLED = 8
-_storage_use_count = torch._C._storage_Use_Count
-
-
-def _unshared(buf: torch.Tensor) -> bool:
-    """No C++ owner of ``buf`` besides its Python object (autograd's saved tensors, a view's base) and no other
-    tensor on its memory (a view, ``detach``: a deferred W's reshaped input, a send in flight)."""
-    # storage count: the tensor and the temporary storage object
-    return buf._use_count() == 1 and _storage_use_count(buf.untyped_storage()._cdata) <= 2
 
 
 def _no_payload(a: Action) -> torch.Tensor:
