@@ -153,3 +153,32 @@ def test_split_cost_ratio_is_b_plus_w_over_the_fused_bw_per_stage() -> None:
     assert split_cost_ratio(fused, fused) == (None, None)
     with pytest.raises(ValueError, match="different layouts"):
         split_cost_ratio(split, prof("zb-v", (1.0,) * 4, (1.0,) * 4, (None,) * 4))
+
+
+def test_bench_split_ratio_reads_the_schedules_own_medians_against_1f1b() -> None:
+    """``bench_pipeline_analysis.split_ratio``: a split schedule's B + W over 1F1B's BW from the profiles it is
+    given (the benchmark passes the medians of each schedule's own timed runs); nothing for 1F1B or torch rows."""
+    import importlib.util
+    import os
+
+    from zb_pipeline.schedule.profile import Profile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "bench_pipeline_analysis", os.path.join(root, "tools", "bench_pipeline_analysis.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def prof(name: str, b, w, bw) -> dict:
+        zeros = (0.0, 0.0)
+        return Profile(2, (0, 1), (1.0, 1.0), b, w, bw, 0.1, zeros, zeros, zeros, schedule=name).to_dict()
+
+    profiles = {
+        "1f1b": prof("1f1b", (None, None), (None, None), (3.0, 4.0)),
+        "zb-h2": prof("zb-h2", (2.0, 2.5), (1.0, 1.7), (None, None)),
+    }
+    assert mod.split_ratio(profiles, "zb-h2") == pytest.approx([1.0, 1.05])
+    assert mod.split_ratio(profiles, "1f1b") is None
+    assert mod.split_ratio(profiles, "torch:1f1b") is None
+    assert mod.split_ratio({"zb-h2": profiles["zb-h2"]}, "zb-h2") is None

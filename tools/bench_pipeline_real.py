@@ -173,12 +173,19 @@ def _real_rank(rank: int, world: int, model: Any, m: int, names: list[str], torc
     own = {
         name: t.gather(comm_ms=profiles[layout_of(name)].comm, statistic="mean").to_dict() for name, t in timers.items()
     }
+    # Medians of the same samples: the split's cost in place compares per-action costs, and a mean over a few
+    # dozen actions follows the few a busy host preempted (bench_pipeline_analysis.split_ratio).
+    own_median = {
+        name: t.gather(comm_ms=profiles[layout_of(name)].comm, statistic="median").to_dict()
+        for name, t in timers.items()
+    }
     peaks = {name: prof.local_summary()["peak"] for name, prof in profilers.items()}
     dist.barrier()
     return {
         "times": times,
         "spans": spans,
         "own_profiles": own,
+        "own_profiles_median": own_median,
         "page_faults": {name: statistics.median(v[1:]) for name, v in faults.items() if len(v) > 1},
         "peaks": peaks,
         "profiles": {f"{k[0]}/{k[1]}": v.to_dict() for k, v in profiles.items()},
@@ -267,12 +274,18 @@ def _run_pairwise(model: Any, m: int, names: list[str], torch_names: list[str], 
             pairs.append((res[0]["times"][name], res[0]["times"]["1f1b"]))
             agg = aggregate_real(res, model, m, quiet)
             first = first or agg
-            row = row or next(r for r in agg["rows"] if r["schedule"] == name)
+            this = next(r for r in agg["rows"] if r["schedule"] == name)
+            row = row or this
+            if this.get("split_ratio"):
+                row.setdefault("split_ratio_launches", []).append(this["split_ratio"])
             base_rows.append(next(r for r in agg["rows"] if r["schedule"] == "1f1b"))
             if agg["ceiling"]["own"]:  # a split-backward loop schedule: this pair's 1F1B, its own costs
                 row.setdefault("launch_ceilings", []).append(agg["ceiling"]["own"]["ceiling"])
                 ceilings.setdefault(name, agg["ceiling"])
         assert row is not None
+        if len(row.get("split_ratio_launches", [])) > 1:  # per stage, the median over the launches
+            per_stage = zip(*row["split_ratio_launches"], strict=True)
+            row["split_ratio"] = [None if None in v else statistics.median(v) for v in per_stage]
         if launches > 1:
             ratio, lo, hi = bootstrap_launches(pairs)
             all_times = [t for times, _ in pairs for t in times]

@@ -164,7 +164,9 @@ def _real_intro_lines(real: dict[str, Any]) -> list[str]:
             else "glibc's default thresholds (`--host-malloc default`). "
         )
         + "The last column divides each split-backward schedule's profiled B + W by 1F1B's profiled BW, per stage, "
-        "both measured inside their own timed runs: what the split costs in place (1.000: nothing). "
+        "both measured inside their own timed runs, each the median of its actions (the same work: a B and its W "
+        "hold a BW's kernels), then the median over the launches: what the split costs in place (1.000: nothing; "
+        "`tools/bench_split_cost.py` breaks it down). "
         + "Theory at F = B = 2W, p = 2, m = 4: ZB-H2 1.14x; target ZB-H2 >= 1.08x."
         + _theory_sentence(real["by_m"]),
         "",
