@@ -14,6 +14,7 @@ stage is built (``megatron.arguments.apply_layer_split``).  ``recompute``: the o
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from megatron.config.errors import ConfigError, require
@@ -134,28 +135,55 @@ def measured_layer_split(
     )
     plan = plan_stages(costs, mem_limit=mem_limit, **shape)
     current = evaluate_split(costs, layout.layers_per_stage, **shape)[0]
-    return MeasuredSplit(plan=plan, current=layout.layers_per_stage, current_iteration=current, mem_limit=mem_limit)
+    even = even_split(costs.num_layers, sched.num_stages)
+    even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
+    return MeasuredSplit(
+        plan=plan,
+        current=layout.layers_per_stage,
+        current_iteration=current,
+        mem_limit=mem_limit,
+        even=even,
+        even_iteration=even_time,
+        step=costs.step,
+    )
 
 
 @dataclass(frozen=True)
 class MeasuredSplit:
-    """The split re-decided from measured costs at the end of the profiling window."""
+    """The split re-decided from measured costs at the end of the profiling window, with the predicted iteration
+    (simulated under the measured costs plus the measured time per iteration outside the pipeline's actions) of
+    the chosen, the current and the even split."""
 
     plan: StagePlan
     current: tuple[int, ...]
     current_iteration: float
     mem_limit: float | None = None  # bytes per rank the plan was chosen within (the window's memory limit)
+    even: tuple[int, ...] | None = None  # the even split (None: the layers do not divide evenly)
+    even_iteration: float | None = None  # its predicted iteration (ms)
+    step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
 
     @property
     def changes(self) -> bool:
         return tuple(self.plan.layers) != tuple(self.current)
 
     def summary(self) -> str:
+        """The one log line of the decision (``PREDICTION`` parses it back)."""
         gain = self.plan.iteration / self.current_iteration - 1 if self.current_iteration > 0 else 0.0
         text = (
-            f"layer split from measured per-part costs: {list(self.plan.layers)} (simulated iteration "
-            f"{self.plan.iteration:.2f} ms, {gain:+.1%} against the current {list(self.current)})"
+            f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
+            f"{self.plan.iteration:.2f} ms, {gain:+.1%} against the current {list(self.current)}"
         )
+        if self.even_iteration is not None:
+            ratio = self.plan.iteration / self.even_iteration
+            text += f"; even split {list(self.even)}: {self.even_iteration:.2f} ms, chosen / even {ratio:.3f}"
+        text += f"; {self.step:.2f} ms per iteration outside the pipeline's actions)"
         if self.changes:
             text += "; moving the layers at this iteration boundary"
         return text
+
+
+# The decision's log line: chosen split, its predicted ms, and (when the layers divide evenly) the even split's ms.
+PREDICTION = re.compile(
+    r"layer split from measured per-part costs: \[([\d, ]+)\] \(predicted iteration ([0-9.]+) ms"
+    r"(?:.*?even split \[[\d, ]+\]: ([0-9.]+) ms)?"
+)

@@ -61,6 +61,9 @@ class Profile:
     memory_source: str = "none"  # "cuda" | "saved-tensors" | "none"
     device: str = "cpu"
     overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (its gap; 0 = not measured)
+    # ms per iteration outside its compute actions (optimizer step, loss reductions, the next batch): the shortest
+    # rank's time from an iteration's last action to the next one's first (CPU; 0 = not measured)
+    boundary: float = 0.0
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
     mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
     mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
@@ -175,7 +178,16 @@ class Profile:
 
         kept = max(0.0, layer[3])
         lay = PartCosts(f=layer[0], b=layer[1], w=layer[2], mem_f=kept, mem_b=max(-kept, layer[4]))
-        return ModelCosts(num_layers=sum(n), layer=lay, embedding=beyond(0), head=beyond(S - 1), comm=self.comm)
+        o = self.overhead
+        return ModelCosts(
+            num_layers=sum(n),
+            layer=lay,
+            embedding=beyond(0),
+            head=beyond(S - 1),
+            comm=self.comm,
+            overhead=PartCosts(f=o, b=o, w=o),
+            step=self.boundary,
+        )
 
     def microbatch_bytes(self) -> float:
         """The most any rank holds for one microbatch (its share's ``max(mem_f, mem_f + mem_b)``)."""
@@ -215,6 +227,8 @@ class Profile:
             raise ValueError(f"profile statistic {prof.statistic!r} must be one of {STATISTICS}")
         if not (math.isfinite(prof.overhead) and prof.overhead >= 0):
             raise ValueError(f"profile overhead {prof.overhead} must be finite and >= 0 (ms per compute action)")
+        if not (math.isfinite(prof.boundary) and prof.boundary >= 0):
+            raise ValueError(f"profile boundary {prof.boundary} must be finite and >= 0 (ms per iteration)")
         return prof
 
     def save(self, path: str | os.PathLike[str]) -> None:
