@@ -13,6 +13,7 @@ stage is built (``megatron.arguments.apply_layer_split``).  ``recompute``: the o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from megatron.config.parallel import ParallelConfig
 from megatron.model.config import GPTConfig
 from megatron.model.cost_model import model_costs
 from megatron.pipeline.layout import PipelineLayout
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.memory import schedule_mem_limit
 from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import (
     PlannerError,
@@ -77,7 +80,21 @@ def auto_layer_split(
         raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
     even = even_split(costs.num_layers, layout.schedule.num_stages)
     even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
-    return layout.with_split(plan.layers, split="auto", plan=plan, even=even_time)
+    return _runs_plan(layout.with_split(plan.layers, split="auto", plan=plan, even=even_time), plan, mem_limit)
+
+
+def _runs_plan(layout: PipelineLayout, plan: StagePlan, mem_limit: float | None) -> PipelineLayout:
+    """Under a byte limit, a memory-capped schedule whose plan depends on the costs (zb-auto) runs from the start
+    the plan the planner simulated within it: the analytic costs, the limit in bytes (with
+    ``--zero-bubble-max-pending-backward``'s count converted by the same costs, the smaller)."""
+    spec = registry.get(layout.schedule.name)
+    if mem_limit is None or not (spec.uses_costs and spec.takes_mem_limit) or layout.plans.fixed is not None:
+        return layout
+    limit = schedule_mem_limit(
+        plan.costs, layout.schedule.stage_to_rank, limit_bytes=mem_limit, microbatches=layout.plans.mem_limit
+    )
+    plans = layout.plans.replanned(costs=plan.costs, mem_limit=limit)
+    return dataclasses.replace(layout, plans=plans, schedule=plans.schedule(layout.schedule.num_microbatches))
 
 
 GIB = 2**30

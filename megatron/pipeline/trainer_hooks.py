@@ -44,6 +44,7 @@ from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
 from megatron.pipeline.layer_split import (
+    GIB,
     MeasuredSplit,
     measured_layer_split,
     measured_limit_error,
@@ -228,35 +229,37 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         return None
     save = run.checkpoint.save
     auto = cfg.schedule == "zb-auto"
+    gb_limit = memory_limit_bytes(run.parallel)  # zb-auto plans within it in bytes, beside the pending-B count
     replanner = WindowReplanner(
         pipe.executor,
         start_iter=cfg.timers_start_iter,
         end_iter=cfg.timers_end_iter,
         name=cfg.schedule,
-        mem_limit="auto" if cfg.mem_limit_auto and auto else None,
+        mem_limit=("auto" if cfg.mem_limit_auto else gb_limit) if auto else None,
         mem_limit_microbatches=cfg.mem_limit if auto else None,
         percentile=cfg.adaptive_memory_percentile,
         group=ctx.pp_group,
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
         stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
-        limit_flag=_limit_flag(cfg) if auto else "the memory limit",
+        limit_flag=_limit_flag(cfg, gb_limit) if auto else "the memory limit",
     )
     if resplit:
         _measure_split(replanner, pipe, run, ctx, log)
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
 
 
-def _limit_flag(cfg: Any) -> str:
+def _limit_flag(cfg: Any, gb_limit: float | None = None) -> str:
     """How the user gave zb-auto's memory limit, for the window's one-line error."""
     if cfg.mem_limit_auto:
         return (
             f"--zero-bubble-max-pending-backward auto (--zero-bubble-adaptive-memory-limit-percentile "
             f"{cfg.adaptive_memory_percentile:g})"
         )
-    if cfg.mem_limit is None:  # no limit: the re-plan cannot fail on one
-        return "the memory limit"
-    return f"--zero-bubble-max-pending-backward {cfg.mem_limit:g}"
+    given = [] if gb_limit is None else [f"--pipeline-memory-limit-gb {gb_limit / GIB:g}"]
+    if cfg.mem_limit is not None:
+        given.append(f"--zero-bubble-max-pending-backward {cfg.mem_limit:g}")
+    return " and ".join(given) or "the memory limit"  # none: the re-plan cannot fail on one
 
 
 def _measures_split(run: RunConfig) -> bool:

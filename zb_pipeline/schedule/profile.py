@@ -21,6 +21,7 @@ from typing import Any
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
+from zb_pipeline.schedule.memory import microbatch_bytes, schedule_mem_limit
 from zb_pipeline.schedule.registry import placement_of
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
@@ -190,11 +191,8 @@ class Profile:
         )
 
     def microbatch_bytes(self) -> float:
-        """The most any rank holds for one microbatch (its share's ``max(mem_f, mem_f + mem_b)``)."""
-        per_rank = [0.0] * self.num_ranks
-        for s, r in enumerate(self.stage_to_rank):
-            per_rank[r] += max(0.0, self.mem_f[s], self.mem_f[s] + self.mem_b[s])
-        return max(per_rank)
+        """The most any rank holds for one microbatch (``memory.microbatch_bytes``)."""
+        return microbatch_bytes(self.mem_f, self.mem_b, self.stage_to_rank)
 
     # -- files ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -270,12 +268,14 @@ def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = T
 
 
 def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
-    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank (measured
-    with the run's recomputation in force), plus the largest transient a B holds while it recomputes, so that N keeps
-    counting pending microbatches."""
-    if not n > 0:
-        raise ValueError(f"memory limit of {n} microbatches must be > 0")
-    return float(n) * profile.microbatch_bytes() + max(profile.mem_b_transient, default=0.0)
+    """``--zero-bubble-max-pending-backward N`` in bytes under ``profile``'s measured memory (with the run's
+    recomputation in force): ``memory.schedule_mem_limit``'s conversion."""
+    costs = StageCosts(
+        f=(1.0,) * profile.num_stages, b=(1.0,) * profile.num_stages, w=(1.0,) * profile.num_stages, comm=0.0,
+        mem_f=profile.mem_f, mem_b=profile.mem_b, mem_w=tuple(-(x + y) for x, y in zip(profile.mem_f, profile.mem_b)),
+        mem_b_transient=tuple(profile.mem_b_transient),
+    )  # fmt: skip
+    return schedule_mem_limit(costs, profile.stage_to_rank, microbatches=n)
 
 
 def profile_is_finite(profile: Profile) -> bool:
