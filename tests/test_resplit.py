@@ -147,8 +147,9 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     """The trainer's own path: the window times the parts (the saved profile has a ``parts`` entry the planner
     reads), every rank plans the split from the agreed profile and, if it differs, moves the layers; either way the
     losses are those of the run without a window, to the bit."""
+    from megatron.pipeline.layer_split import PREDICTION
     from zb_pipeline.schedule.profile import Profile
-    from zb_pipeline.schedule.stage_planner import plan_stages
+    from zb_pipeline.schedule.stage_planner import evaluate_split, plan_stages
 
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
     window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
@@ -164,6 +165,12 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     # the saved (agreed) profile plans offline what every rank decided in process
     offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
     assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
+    # the logged prediction: whole iterations in ms, the time between iterations (window 1-2: one sample) included
+    assert profile.boundary > 0 and parts.step == profile.boundary
+    (found,) = PREDICTION.findall(log)
+    even = evaluate_split(parts, (2, 2), schedule="zb-h1", num_ranks=2, num_microbatches=4)[0]
+    assert float(found[1]) == pytest.approx(offline.iteration, abs=0.01) and offline.iteration > parts.step
+    assert float(found[2]) == pytest.approx(even, abs=0.01)
     if "re-split after iteration 3" in log:
         assert "layers per stage [2, 2] -> " in log
 
