@@ -19,7 +19,8 @@ even, measured over predicted auto iteration, and whether the losses of the two 
 ``layer_split.md`` / ``.json``.
 
 ``--recompute``, the recompute choice under a memory limit (zb-auto): ``--pipeline-memory-limit-gb X`` between
-ZB-H1's and ZB-H2's peaks (by default the midpoint of the analytic peaks of the even split without recompute) for
+ZB-H1's and ZB-H2's peaks (by default the midpoint of their peaks on the auto split without recompute, measured in
+a profiling window by one launch of each) for
 three cases, each with ``--pipeline-layer-split auto``: the planner's ``--recompute-granularity auto``; full
 recompute everywhere (``full``, ``uniform``, 1 layer); no recompute, where zb-auto plans within the same limit
 (the largest memory that fits).  Reported: each case's iteration and auto over the better of the other two.
@@ -89,6 +90,7 @@ def one_run(flags: list[str], skip: int) -> dict:
         "prediction": prediction,
         "split_line": next((ln for ln in res.stdout.splitlines() if "layers per stage" in ln), ""),
         "recompute_line": next((ln for ln in res.stdout.splitlines() if "activation recomputation" in ln), ""),
+        "stdout": res.stdout,
     }
 
 
@@ -183,24 +185,26 @@ def split_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, list[st
     return {**result, "wall_s": time.time() - t0}, md
 
 
-def analytic_limit_gb() -> tuple[float, float, float]:
-    """(ZB-H1's, ZB-H2's analytic peak of the even split without recompute, their midpoint) in GiB."""
-    from zb_pipeline.schedule.stage_planner import evaluate_split
+REPLANNED = re.compile(r"replanned \S+ .*?peak activation memory per rank \[([0-9., ]+)\] MiB")
 
-    base = base_flags("zb-h1", 10)
-    run = parse_run_config(base, world_size=2)
-    from megatron.model.cost_model import model_costs
 
-    costs = model_costs(run.model, padded_vocab_size=run.padded_vocab_size, micro_batch_size=2)
-    shape = dict(num_ranks=2, num_microbatches=run.num_microbatches)
-    h1 = max(evaluate_split(costs, (2, 2), schedule="zb-h1", **shape)[1]) / GIB
-    h2 = max(evaluate_split(costs, (2, 2), schedule="zb-h2", **shape)[1]) / GIB
-    return h1, h2, (h1 + h2) / 2
+def measured_peaks_gb(iters: int) -> dict[str, float]:
+    """ZB-H1's and ZB-H2's peaks (GiB, the busiest rank) on the auto split without recompute, simulated under the
+    activation memory measured in a profiling window (what the runtime's zb-auto plans against): one launch each."""
+    out = {}
+    for name in ("zb-h1", "zb-h2"):
+        flags = base_flags(name, WINDOW[1] + 1) + ["--pipeline-layer-split", "auto"]
+        found = REPLANNED.search(one_run(flags, iters)["stdout"])
+        if found is None:
+            raise SystemExit(f"{name}: the profiling window logged no re-plan with its peak memory")
+        out[name] = max(float(x) for x in found.group(1).split(",")) * 2**20 / GIB
+    return out
 
 
 def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, list[str]]:
-    h1, h2, mid = analytic_limit_gb()
-    limit = args.limit_gb if args.limit_gb is not None else float(f"{mid:.6g}")
+    peaks = measured_peaks_gb(args.iters)
+    h1, h2 = peaks["zb-h1"], peaks["zb-h2"]
+    limit = args.limit_gb if args.limit_gb is not None else float(f"{(h1 + h2) / 2:.6g}")
     base = base_flags("zb-auto", args.iters) + ["--pipeline-layer-split", "auto", "--pipeline-memory-limit-gb"]
     cases = {name: base + [f"{limit:g}", *flags] for name, flags in RECOMPUTE.items()}
     t0 = time.time()
@@ -216,7 +220,7 @@ def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, lis
         "mode": "recompute",
         "schedule": "zb-auto",
         "limit_gb": limit,
-        "analytic_peaks_gb": {"zb-h1": h1, "zb-h2": h2},
+        "measured_peaks_gb": peaks,
         "median_ms": med,
         "better_of_others": better,
         "ratio_auto_over_better": ratio(kept["auto"], kept["full"], kept["none"]),
@@ -229,8 +233,10 @@ def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, lis
         "# Recompute choice under a memory limit (`--recompute-granularity auto`)",
         "",
         f"make train's model through `pretrain_gpt.py`, pp = 2 (CPU, gloo, 1 thread per rank), zb-auto, m = 4 "
-        f"microbatches of 2, `--pipeline-layer-split auto --pipeline-memory-limit-gb {limit:g}` (between the "
-        f"analytic peaks of ZB-H1, {h1:.5f} GiB, and ZB-H2, {h2:.5f} GiB, of the even split without recompute); "
+        f"microbatches of 2, `--pipeline-memory-limit-gb {limit:g}` with `--pipeline-layer-split auto` (between "
+        f"the peaks of ZB-H1, {h1:.5f} GiB, and ZB-H2, {h2:.5f} GiB, on the auto split without recompute under the "
+        f"activation memory measured in a profiling window; the start-up plan follows the analytic model, the "
+        f"window re-plans zb-auto within the limit under the measured memory); "
         f"{args.rounds} alternated launches per case, {args.iters} iterations each, iterations {args.skip + 1}-"
         f"{args.iters} kept.",
         "",
