@@ -175,3 +175,18 @@ def test_window_replan_takes_the_byte_limit_and_the_count_the_smaller() -> None:
     for mem_limit, count, expected in ((250.0, 3, 250.0), (400.0, 3, 307.0), (250.0, None, 250.0), (None, 2, 207.0)):
         replanner.mem_limit, replanner.mem_limit_microbatches, replanner.percentile = mem_limit, count, 85.0
         assert replanner.resolve_mem_limit(profile) == expected
+
+
+def test_v_schedule_plans_under_the_byte_limit() -> None:
+    """zb-v under ``--pipeline-memory-limit-gb``: its runtime plan is generated with its cap lowered to the limit in
+    bytes (the planner's analytic costs) and peaks within it; a fixed schedule keeps its plan source."""
+    from megatron.pipeline.layer_split import plans_within_bytes
+    from zb_pipeline.schedule.memory import peak_memory
+
+    flags = [*MAKE_TRAIN, "--num-layers", "8", "--pipeline-schedule", "zb-v", "--pipeline-layer-split", "auto"]
+    free = parse_run_config(flags, world_size=4).pipeline_layout
+    limit_gb = 1.05 * max(free.split_plan.peak_memory) / 2**30
+    layout = parse_run_config([*flags, "--pipeline-memory-limit-gb", f"{limit_gb}"], world_size=4).pipeline_layout
+    assert layout.plans.mem_limit == pytest.approx(limit_gb * 2**30) and layout.plans.costs == layout.split_plan.costs
+    assert max(peak_memory(layout.schedule, layout.plans.costs)) <= limit_gb * 2**30
+    assert plans_within_bytes("zb-auto") and plans_within_bytes("v-min") and not plans_within_bytes("zb-h1")

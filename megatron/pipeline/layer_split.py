@@ -83,16 +83,24 @@ def auto_layer_split(
     return _runs_plan(layout.with_split(plan.layers, split="auto", plan=plan, even=even_time), plan, mem_limit)
 
 
+def plans_within_bytes(schedule: str) -> bool:
+    """Whether the runtime generates ``schedule``'s plan under ``--pipeline-memory-limit-gb`` in bytes: the
+    memory-capped schedules whose plan depends on the costs -- zb-auto (its memory limit) and the V schedules (their
+    cap, a ratio to 1F1B, lowered to the limit where it is above).  The others fix their plan; the stage planner
+    checks their peak against the limit."""
+    spec = registry.get(schedule)
+    return spec.uses_costs and (spec.takes_mem_limit or spec.placement == "v")
+
+
 def _runs_plan(layout: PipelineLayout, plan: StagePlan, mem_limit: float | None) -> PipelineLayout:
-    """Under a byte limit, a memory-capped schedule whose plan depends on the costs (zb-auto) runs from the start
-    the plan the planner simulated within it: the analytic costs, the limit in bytes (with
-    ``--zero-bubble-max-pending-backward``'s count converted by the same costs, the smaller)."""
-    spec = registry.get(layout.schedule.name)
-    if mem_limit is None or not (spec.uses_costs and spec.takes_mem_limit) or layout.plans.fixed is not None:
+    """Under a byte limit, a schedule that plans within it (``plans_within_bytes``) runs from the start the plan
+    for the planner's analytic costs with the limit in bytes (zb-auto: with ``--zero-bubble-max-pending-backward``'s
+    count converted by the same costs, the smaller) -- for zb-auto the plan the planner simulated."""
+    name = layout.schedule.name
+    if mem_limit is None or not plans_within_bytes(name) or layout.plans.fixed is not None:
         return layout
-    limit = schedule_mem_limit(
-        plan.costs, layout.schedule.stage_to_rank, limit_bytes=mem_limit, microbatches=layout.plans.mem_limit
-    )
+    count = layout.plans.mem_limit if registry.get(name).takes_mem_limit else None
+    limit = schedule_mem_limit(plan.costs, layout.schedule.stage_to_rank, limit_bytes=mem_limit, microbatches=count)
     plans = layout.plans.replanned(costs=plan.costs, mem_limit=limit)
     return dataclasses.replace(layout, plans=plans, schedule=plans.schedule(layout.schedule.num_microbatches))
 

@@ -49,6 +49,7 @@ from megatron.pipeline.layer_split import (
     measured_layer_split,
     measured_limit_error,
     memory_limit_bytes,
+    plans_within_bytes,
 )
 from megatron.pipeline.part_timer import PartTimer
 from zb_pipeline.runtime.replanner import WindowReplanner
@@ -229,20 +230,21 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         return None
     save = run.checkpoint.save
     auto = cfg.schedule == "zb-auto"
-    gb_limit = memory_limit_bytes(run.parallel)  # zb-auto plans within it in bytes, beside the pending-B count
+    # zb-auto and the V schedules plan within --pipeline-memory-limit-gb in bytes (zb-auto beside its pending-B count)
+    gb_limit = memory_limit_bytes(run.parallel) if plans_within_bytes(cfg.schedule) else None
     replanner = WindowReplanner(
         pipe.executor,
         start_iter=cfg.timers_start_iter,
         end_iter=cfg.timers_end_iter,
         name=cfg.schedule,
-        mem_limit=("auto" if cfg.mem_limit_auto else gb_limit) if auto else None,
+        mem_limit="auto" if cfg.mem_limit_auto and auto else gb_limit,
         mem_limit_microbatches=cfg.mem_limit if auto else None,
         percentile=cfg.adaptive_memory_percentile,
         group=ctx.pp_group,
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
         stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
-        limit_flag=_limit_flag(cfg, gb_limit) if auto else "the memory limit",
+        limit_flag=_limit_flag(cfg if auto else None, gb_limit),
     )
     if resplit:
         _measure_split(replanner, pipe, run, ctx, log)
@@ -250,7 +252,10 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
 
 
 def _limit_flag(cfg: Any, gb_limit: float | None = None) -> str:
-    """How the user gave zb-auto's memory limit, for the window's one-line error."""
+    """How the user gave the re-plan's memory limit (``cfg``: zb-auto's flags, else None), for the window's one-line
+    error."""
+    if cfg is None:
+        return "the memory limit" if gb_limit is None else f"--pipeline-memory-limit-gb {gb_limit / GIB:g}"
     if cfg.mem_limit_auto:
         return (
             f"--zero-bubble-max-pending-backward auto (--zero-bubble-adaptive-memory-limit-percentile "
