@@ -149,7 +149,7 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     losses are those of the run without a window, to the bit."""
     from megatron.pipeline.layer_split import PREDICTION
     from zb_pipeline.schedule.profile import Profile
-    from zb_pipeline.schedule.stage_planner import evaluate_split, plan_stages
+    from zb_pipeline.schedule.stage_planner import ModelCosts, evaluate_split, plan_stages
 
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
     window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
@@ -165,12 +165,16 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     # the saved (agreed) profile plans offline what every rank decided in process
     offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
     assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
-    # the logged prediction: whole iterations in ms, the time between iterations (window 1-2: one sample) included
+    # the logged prediction: whole iterations in ms under the window's means, the time between iterations (window
+    # 1-2: one sample) included
     assert profile.boundary > 0 and parts.step == profile.boundary
+    means = ModelCosts.from_dict(profile.parts["predict"])
+    assert means.step > 0 and means.layer.f > 0
     (found,) = PREDICTION.findall(log)
-    even = evaluate_split(parts, (2, 2), schedule="zb-h1", num_ranks=2, num_microbatches=4)[0]
-    assert float(found[1]) == pytest.approx(offline.iteration, abs=0.01) and offline.iteration > parts.step
-    assert float(found[2]) == pytest.approx(even, abs=0.01)
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    predicted = evaluate_split(means, offline.layers, **shape)[0]
+    assert float(found[1]) == pytest.approx(predicted, abs=0.01) and predicted > means.step
+    assert float(found[2]) == pytest.approx(evaluate_split(means, (2, 2), **shape)[0], abs=0.01)
     if "re-split after iteration 3" in log:
         assert "layers per stage [2, 2] -> " in log
 
@@ -223,6 +227,8 @@ def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     assert parts["embedding"]["mem_f"] == 2.0 and parts["layer"]["mem_f"] == 20.0 and parts["head"]["mem_f"] == 60.0
     assert parts["comm"] == 0.25 and parts["num_layers"] == 4 and parts["step"] == 7.5
     assert parts["overhead"] == {"f": 0.0, "b": 0.0, "w": 0.0}  # no stage without embedding and head: none seen
+    means = combine_parts(summaries, profile, analytic, statistic="mean")  # what the logged prediction reads
+    assert means["layer"]["f"] == pytest.approx((2.0 + 2.1 + 50.0 + 2.2) / 4) and means["layer"]["b"] == 3.375
     assert _through_json(parts, profile)
     costs = ModelCosts.from_dict(parts).stage_costs((2, 2), (0, 0))
     assert costs.f == pytest.approx(profile.f) and costs.b == pytest.approx(profile.b)

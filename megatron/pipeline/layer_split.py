@@ -27,6 +27,7 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.memory import schedule_mem_limit
 from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import (
+    ModelCosts,
     PlannerError,
     RecomputeOption,
     StagePlan,
@@ -160,16 +161,20 @@ def measured_layer_split(
     )
     plan = plan_stages(costs, mem_limit=mem_limit, **shape)
     current = evaluate_split(costs, layout.layers_per_stage, **shape)[0]
+    # the prediction: the window's means (a sum of actions and gaps), where present; the medians plan
+    means = profile.parts.get("predict") if isinstance(profile.parts, dict) else None
+    predict = costs if means is None else ModelCosts.from_dict(means)
     even = even_split(costs.num_layers, sched.num_stages)
-    even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
+    even_time = None if even is None else evaluate_split(predict, even, **shape)[0]
     return MeasuredSplit(
         plan=plan,
         current=layout.layers_per_stage,
         current_iteration=current,
         mem_limit=mem_limit,
+        predicted=evaluate_split(predict, plan.layers, **shape)[0],
         even=even,
         even_iteration=even_time,
-        step=costs.step,
+        step=predict.step,
     )
 
 
@@ -183,6 +188,7 @@ class MeasuredSplit:
     current: tuple[int, ...]
     current_iteration: float
     mem_limit: float | None = None  # bytes per rank the plan was chosen within (the window's memory limit)
+    predicted: float | None = None  # the chosen split's predicted iteration (ms; None: plan.iteration)
     even: tuple[int, ...] | None = None  # the even split (None: the layers do not divide evenly)
     even_iteration: float | None = None  # its predicted iteration (ms)
     step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
@@ -194,12 +200,13 @@ class MeasuredSplit:
     def summary(self) -> str:
         """The one log line of the decision (``PREDICTION`` parses it back)."""
         gain = self.plan.iteration / self.current_iteration - 1 if self.current_iteration > 0 else 0.0
+        predicted = self.plan.iteration if self.predicted is None else self.predicted
         text = (
             f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
-            f"{self.plan.iteration:.2f} ms, {gain:+.1%} against the current {list(self.current)}"
+            f"{predicted:.2f} ms, {gain:+.1%} against the current {list(self.current)}"
         )
         if self.even_iteration is not None:
-            ratio = self.plan.iteration / self.even_iteration
+            ratio = predicted / self.even_iteration
             text += f"; even split {list(self.even)}: {self.even_iteration:.2f} ms, chosen / even {ratio:.3f}"
         text += f"; {self.step:.2f} ms per iteration outside the pipeline's actions)"
         if self.changes:

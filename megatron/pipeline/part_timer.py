@@ -201,22 +201,36 @@ class PartTimer:
             out.setdefault(part, {})[kind] = list(values)
         return out
 
-    def gather(self, profile: Profile, analytic: ModelCosts, *, group: Any = None) -> dict[str, Any]:
+    def gather(
+        self, profile: Profile, analytic: ModelCosts, *, group: Any = None, predict: Profile | None = None
+    ) -> dict[str, Any]:
         """The profile's ``parts`` entry (collective over ``group``, the pipeline group): each part's measured F
-        and B, W and memory from ``profile``'s stages shared in ``analytic``'s proportions."""
+        and B, W and memory from ``profile``'s stages shared in ``analytic``'s proportions.  ``predict``: the same
+        window's profile of means; its parts (every sample's mean, ``"predict"`` in the entry) predict an
+        iteration, a sum of actions and gaps, where the medians plan (``profile_gather.gather``)."""
         local = self.local_summary()
         if comm.is_initialized():
             every: list[Any] = [None] * comm.world_size(group)
             comm.all_gather_object(every, local, group=group)
         else:
             every = [local]
-        return combine_parts(every, profile, analytic)
+        out = combine_parts(every, profile, analytic)
+        if predict is not None:
+            out["predict"] = combine_parts(every, predict, analytic, statistic="mean")
+        return out
 
 
-def combine_parts(summaries: list[dict[str, dict[str, list[float]]]], profile: Profile, analytic: ModelCosts) -> dict:
+def combine_parts(
+    summaries: list[dict[str, dict[str, list[float]]]],
+    profile: Profile,
+    analytic: ModelCosts,
+    *,
+    statistic: str = "median",
+) -> dict:
     """Every rank's ``local_summary`` and the stage profile into a ``parts`` entry (see the module docstring).
 
-    Each part's F and B are the median of every rank's samples of it (a layer's: of all layers, which are alike).
+    Each part's F and B are the median (``statistic``: or the mean) of every rank's samples of it (a layer's: of
+    all layers, which are alike).
     A stage's measured W (or, without one, its F) and memory scale the analytic parts it holds; each stage's
     remainder is calibrated in (``_calibrate``).
     """
@@ -225,7 +239,8 @@ def combine_parts(summaries: list[dict[str, dict[str, list[float]]]], profile: P
         for kind in ("f", "b"):
             values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
             if values:
-                measured.setdefault(part, {})[kind] = float(statistics.median(values))
+                summary = statistics.median if statistic == "median" else statistics.fmean
+                measured.setdefault(part, {})[kind] = float(summary(values))
     missing = [p for p in PARTS if "f" not in measured.get(p, {})]
     if missing:
         raise ValueError(f"the profiling window timed no {', '.join(missing)} forward: profile at least one iteration")

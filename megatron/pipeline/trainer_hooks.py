@@ -30,6 +30,7 @@ The global grad norm counts the tied copy once, as Megatron does: the output hea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -288,8 +289,12 @@ def _measure_split(
     )
 
     def parts(profile: Profile) -> dict[str, Any] | None:
+        # the window's means too (collective over the pipeline group; the latency is the median profile's): they
+        # predict the iteration the trainer logs at the decision, the medians plan it
+        means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
+        means = dataclasses.replace(means, stage_layers=profile.stage_layers)
         try:  # every rank combines the same gathered samples, so all fail alike
-            return timer.gather(profile, analytic, group=ctx.pp_group)
+            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means)
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: no per-part costs ({err})")
