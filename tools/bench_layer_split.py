@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +157,8 @@ def split_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, list[st
     }
     lo, hi = result["ratio_95"]
     mlo, mhi = result["measured_over_predicted_95"]
+    counts = Counter(str(p["layers"]) for p in preds)  # the window's choice per launch
+    chosen = ", ".join(f"{k} ({n} of {len(preds)} launches)" for k, n in counts.most_common())
     md = [
         "# Layer split: even against auto (`--pipeline-layer-split auto`)",
         "",
@@ -168,7 +171,7 @@ def split_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, list[st
         "| split | layers per stage | measured iteration (ms) | predicted at the re-split (ms) |",
         "|---|---|---|---|",
         f"| even | [2, 2] | {med['even']:.1f} | {statistics.median(result['predicted_even_ms_per_run']):.1f} |",
-        f"| auto | {preds[0]['layers']} | {med['auto']:.1f} | {pred_ms:.1f} |",
+        f"| auto | {chosen} | {med['auto']:.1f} | {pred_ms:.1f} |",
         "",
         f"- measured auto / even: **{result['ratio_auto_over_even']:.3f}** (95% bootstrap over launches "
         f"[{lo:.3f}, {hi:.3f}])",
