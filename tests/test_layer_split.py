@@ -131,3 +131,62 @@ def test_auto_split_trains_the_even_splits_losses_and_resumes_bit_exact(tmp_path
     assert cf.read_tracker(ckpt) == 3
     second = _pipeline([*auto, "--load", ckpt], 2)[0]["losses"]
     assert first + second == full
+
+
+def test_zb_auto_runs_the_planned_plan_within_the_byte_limit() -> None:
+    """Under ``--pipeline-memory-limit-gb`` zb-auto's own plan is generated with the limit in bytes (the analytic
+    costs' units), not only with ``--zero-bubble-max-pending-backward``'s count: its simulated peak stays within
+    the limit, it is the plan the stage planner simulated, and a count converts by the same costs (the smaller)."""
+    from zb_pipeline.schedule.memory import microbatch_bytes, peak_memory, schedule_mem_limit
+
+    flags = [*MAKE_TRAIN, "--pipeline-schedule", "zb-auto", "--pipeline-layer-split", "auto"]
+    free = parse_run_config(flags, world_size=4).pipeline_layout
+    free_peak = max(peak_memory(free.split_plan.schedule, free.split_plan.costs))
+    limit_gb = 0.85 * free_peak / 2**30  # below what zb-auto takes unlimited with this split
+    layout = parse_run_config([*flags, "--pipeline-memory-limit-gb", f"{limit_gb}"], world_size=4).pipeline_layout
+    plans, plan = layout.plans, layout.split_plan
+    assert plans.mem_limit == pytest.approx(limit_gb * 2**30) and plans.costs == plan.costs
+    assert layout.schedule == plan.schedule  # the runtime runs what the planner simulated
+    assert max(peak_memory(layout.schedule, plans.costs)) <= limit_gb * 2**30 < free_peak
+    # --zero-bubble-max-pending-backward 1: one microbatch of the heaviest rank, in the same bytes
+    one = parse_run_config([*flags, "--pipeline-memory-limit-gb", f"{limit_gb}", "--zero-bubble-max-pending-backward",
+                            "1"], world_size=4).pipeline_layout  # fmt: skip
+    place = one.schedule.stage_to_rank
+    expected = microbatch_bytes(one.plans.costs.mem_f, one.plans.costs.mem_b, place)
+    assert one.plans.mem_limit == pytest.approx(min(expected, limit_gb * 2**30))
+    assert max(peak_memory(one.schedule, one.plans.costs)) <= one.plans.mem_limit
+    assert schedule_mem_limit(plans.costs, place) is None
+
+
+def test_window_replan_takes_the_byte_limit_and_the_count_the_smaller() -> None:
+    """The profiling window's zb-auto re-plan: the byte limit and the count converted with the measured bytes."""
+    from types import SimpleNamespace
+
+    from zb_pipeline.runtime.replanner import WindowReplanner
+    from zb_pipeline.schedule.profile import Profile, mem_limit_for_microbatches
+
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=(1.0, 1.0), b=(1.0, 1.0), w=(1.0, 1.0), bw=(None, None), comm=0.0,
+        mem_f=(100.0, 60.0), mem_b=(0.0, 0.0), mem_w=(-100.0, -60.0), mem_b_transient=(7.0, 0.0),
+    )  # fmt: skip
+    assert mem_limit_for_microbatches(profile, 3) == 307.0  # 3 x the heaviest rank's 100 + B's transient
+    replanner = WindowReplanner.__new__(WindowReplanner)  # only its limit arithmetic
+    replanner.profiler = SimpleNamespace(device="cpu")
+    for mem_limit, count, expected in ((250.0, 3, 250.0), (400.0, 3, 307.0), (250.0, None, 250.0), (None, 2, 207.0)):
+        replanner.mem_limit, replanner.mem_limit_microbatches, replanner.percentile = mem_limit, count, 85.0
+        assert replanner.resolve_mem_limit(profile) == expected
+
+
+def test_v_schedule_plans_under_the_byte_limit() -> None:
+    """zb-v under ``--pipeline-memory-limit-gb``: its runtime plan is generated with its cap lowered to the limit in
+    bytes (the planner's analytic costs) and peaks within it; a fixed schedule keeps its plan source."""
+    from megatron.pipeline.layer_split import plans_within_bytes
+    from zb_pipeline.schedule.memory import peak_memory
+
+    flags = [*MAKE_TRAIN, "--num-layers", "8", "--pipeline-schedule", "zb-v", "--pipeline-layer-split", "auto"]
+    free = parse_run_config(flags, world_size=4).pipeline_layout
+    limit_gb = 1.05 * max(free.split_plan.peak_memory) / 2**30
+    layout = parse_run_config([*flags, "--pipeline-memory-limit-gb", f"{limit_gb}"], world_size=4).pipeline_layout
+    assert layout.plans.mem_limit == pytest.approx(limit_gb * 2**30) and layout.plans.costs == layout.split_plan.costs
+    assert max(peak_memory(layout.schedule, layout.plans.costs)) <= limit_gb * 2**30
+    assert plans_within_bytes("zb-auto") and plans_within_bytes("v-min") and not plans_within_bytes("zb-h1")

@@ -147,8 +147,9 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     """The trainer's own path: the window times the parts (the saved profile has a ``parts`` entry the planner
     reads), every rank plans the split from the agreed profile and, if it differs, moves the layers; either way the
     losses are those of the run without a window, to the bit."""
+    from megatron.pipeline.layer_split import PREDICTION
     from zb_pipeline.schedule.profile import Profile
-    from zb_pipeline.schedule.stage_planner import plan_stages
+    from zb_pipeline.schedule.stage_planner import ModelCosts, evaluate_split, plan_stages
 
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
     window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
@@ -164,6 +165,16 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     # the saved (agreed) profile plans offline what every rank decided in process
     offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
     assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
+    # the logged prediction: whole iterations in ms under the window's means, the time between iterations (window
+    # 1-2: one sample) included
+    assert profile.boundary > 0 and parts.step == profile.boundary
+    means = ModelCosts.from_dict(profile.parts["predict"])
+    assert means.step > 0 and means.layer.f > 0
+    (found,) = PREDICTION.findall(log)
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    predicted = evaluate_split(means, offline.layers, **shape)[0]
+    assert float(found[1]) == pytest.approx(predicted, abs=0.01) and predicted > means.step
+    assert float(found[2]) == pytest.approx(evaluate_split(means, (2, 2), **shape)[0], abs=0.01)
     if "re-split after iteration 3" in log:
         assert "layers per stage [2, 2] -> " in log
 
@@ -184,7 +195,8 @@ def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
 
 def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     """F and B of each part are the medians of every rank's samples; a stage's measured W and memory are shared among
-    its parts in the analytic model's proportions, so the parts add up to the stage again."""
+    its parts in the analytic model's proportions; what a stage's action holds beyond its parts goes to the
+    embedding (first stage) and the head (last stage), so the parts add up to every measured stage again."""
     from megatron.pipeline.part_timer import combine_parts
     from zb_pipeline.schedule.profile import Profile
     from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
@@ -197,7 +209,7 @@ def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     )
     profile = Profile(
         num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(9.0, 9.0), w=(5.0, 8.0), bw=(None, None), comm=0.25,
-        mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2),
+        mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2), boundary=7.5,
     )  # fmt: skip
     summaries = [
         {"embedding": {"f": [0.3, 0.2, 9.0]}, "layer": {"f": [2.0, 2.1, 50.0], "b": [3.0, 3.0]}},
@@ -205,13 +217,56 @@ def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     ]
     parts = combine_parts(summaries, profile, analytic)
     assert parts["layer"]["f"] == pytest.approx(2.15) and parts["layer"]["b"] == 3.25  # medians of the pooled samples
-    assert parts["embedding"]["f"] == 0.3 and parts["embedding"]["b"] == 0.0 and parts["head"]["b"] == 5.0
+    # stage 0's F 9 holds 0.3 + 2 x 2.15 timed by the hooks, B 9 holds 0 + 2 x 3.25: the rest is the embedding's
+    assert parts["embedding"]["f"] == pytest.approx(4.7) and parts["embedding"]["b"] == pytest.approx(2.5)
+    assert parts["head"]["f"] == pytest.approx(4.7) and parts["head"]["b"] == pytest.approx(2.5)
     # stage 0 measured W 5 over analytic 0.5 + 2 * 1 = 2.5: x2; stage 1: 8 over 2 * 1 + 2 = 4: x2
-    assert parts["embedding"]["w"] == 1.0 and parts["layer"]["w"] == 2.0 and parts["head"]["w"] == 4.0
+    assert parts["embedding"]["w"] == pytest.approx(1.0) and parts["layer"]["w"] == 2.0
+    assert parts["head"]["w"] == pytest.approx(4.0)
     # memory: stage 0 42 over 21: x2; stage 1 100 over 50: x2
     assert parts["embedding"]["mem_f"] == 2.0 and parts["layer"]["mem_f"] == 20.0 and parts["head"]["mem_f"] == 60.0
-    assert parts["comm"] == 0.25 and parts["num_layers"] == 4
+    assert parts["comm"] == 0.25 and parts["num_layers"] == 4 and parts["step"] == 7.5
+    assert parts["overhead"] == {"f": 0.0, "b": 0.0, "w": 0.0}  # no stage without embedding and head: none seen
+    means = combine_parts(summaries, profile, analytic, statistic="mean")  # what the logged prediction reads
+    assert means["layer"]["f"] == pytest.approx((2.0 + 2.1 + 50.0 + 2.2) / 4) and means["layer"]["b"] == 3.375
     assert _through_json(parts, profile)
+    costs = ModelCosts.from_dict(parts).stage_costs((2, 2), (0, 0))
+    assert costs.f == pytest.approx(profile.f) and costs.b == pytest.approx(profile.b)
+    assert costs.w == pytest.approx(profile.w)
+
+
+def test_parts_calibration_finds_the_per_action_overhead() -> None:
+    """With a stage that holds neither the embedding nor the head, what its actions hold beyond its layers is the
+    overhead every action pays (plus the runtime's gap between actions); the parts still add up to every stage."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
+
+    analytic = ModelCosts(
+        num_layers=6,
+        layer=PartCosts(f=1.0, b=2.0, w=1.0, mem_f=10.0),
+        embedding=PartCosts(f=0.1, b=0.0, w=0.5, mem_f=1.0),
+        head=PartCosts(f=2.0, b=2.0, w=2.0, mem_f=30.0),
+    )
+    profile = Profile(
+        num_ranks=3, stage_to_rank=(0, 1, 2), f=(5.0, 4.5, 7.0), b=(7.0, 7.0, 9.0), w=(2.5, 2.0, 4.0),
+        bw=(None,) * 3, comm=0.0, mem_f=(21.0, 20.0, 50.0), mem_b=(0.0,) * 3, mem_w=(-21.0, -20.0, -50.0),
+        stage_layers=(2, 2, 2), overhead=0.1,
+    )  # fmt: skip
+    summaries = [
+        {"embedding": {"f": [0.5]}, "layer": {"f": [2.0, 2.0], "b": [3.0, 3.0]}},
+        {"layer": {"f": [2.0, 2.0], "b": [3.0, 3.0]}},
+        {"layer": {"f": [2.0], "b": [3.0]}, "head": {"f": [2.0], "b": [2.0]}},
+    ]
+    parts = combine_parts(summaries, profile, analytic)
+    over = parts["overhead"]  # the middle stage: F 4.5 - 2 x 2, B 7 - 2 x 3, W 2 - 2 x 1; plus the gap 0.1
+    assert over["f"] == pytest.approx(0.6) and over["b"] == pytest.approx(1.1) and over["w"] == pytest.approx(0.1)
+    assert parts["embedding"]["f"] == pytest.approx(0.5 + (5.0 - 0.5 - 4.0) - 0.5)
+    costs = ModelCosts.from_dict(parts).stage_costs((2, 2, 2), (0, 0, 0))
+    gap = 0.1  # the runtime's gap is paid between actions: the stages' own times plus it
+    assert costs.f == pytest.approx(tuple(v + gap for v in profile.f))
+    assert costs.b == pytest.approx(tuple(v + gap for v in profile.b))
+    assert costs.w == pytest.approx(tuple(v + gap for v in profile.w))
 
 
 def _through_json(parts: dict, profile) -> bool:

@@ -74,6 +74,14 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=1800.0,
     ),
     Benchmark(
+        "layer_split_recompute",
+        "tools/bench_layer_split.py",
+        "--recompute-granularity auto against full and no recompute under a memory limit between ZB-H1's and "
+        "ZB-H2's peaks, make train's model, zb-auto, pp = 2",
+        timeout_s=1800.0,
+        extra_args=("--recompute",),
+    ),
+    Benchmark(
         "recompute",
         "tools/bench_recompute.py",
         "activation recomputation (none / selective / full) with every schedule: tokens/s, peak activation memory, "

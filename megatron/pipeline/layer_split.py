@@ -13,7 +13,9 @@ stage is built (``megatron.arguments.apply_layer_split``).  ``recompute``: the o
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 from megatron.config.errors import ConfigError, require
@@ -21,8 +23,11 @@ from megatron.config.parallel import ParallelConfig
 from megatron.model.config import GPTConfig
 from megatron.model.cost_model import model_costs
 from megatron.pipeline.layout import PipelineLayout
+from zb_pipeline.schedule import registry
+from zb_pipeline.schedule.memory import schedule_mem_limit
 from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import (
+    ModelCosts,
     PlannerError,
     RecomputeOption,
     StagePlan,
@@ -76,7 +81,29 @@ def auto_layer_split(
         raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
     even = even_split(costs.num_layers, layout.schedule.num_stages)
     even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
-    return layout.with_split(plan.layers, split="auto", plan=plan, even=even_time)
+    return _runs_plan(layout.with_split(plan.layers, split="auto", plan=plan, even=even_time), plan, mem_limit)
+
+
+def plans_within_bytes(schedule: str) -> bool:
+    """Whether the runtime generates ``schedule``'s plan under ``--pipeline-memory-limit-gb`` in bytes: the
+    memory-capped schedules whose plan depends on the costs -- zb-auto (its memory limit) and the V schedules (their
+    cap, a ratio to 1F1B, lowered to the limit where it is above).  The others fix their plan; the stage planner
+    checks their peak against the limit."""
+    spec = registry.get(schedule)
+    return spec.uses_costs and (spec.takes_mem_limit or spec.placement == "v")
+
+
+def _runs_plan(layout: PipelineLayout, plan: StagePlan, mem_limit: float | None) -> PipelineLayout:
+    """Under a byte limit, a schedule that plans within it (``plans_within_bytes``) runs from the start the plan
+    for the planner's analytic costs with the limit in bytes (zb-auto: with ``--zero-bubble-max-pending-backward``'s
+    count converted by the same costs, the smaller) -- for zb-auto the plan the planner simulated."""
+    name = layout.schedule.name
+    if mem_limit is None or not plans_within_bytes(name) or layout.plans.fixed is not None:
+        return layout
+    count = layout.plans.mem_limit if registry.get(name).takes_mem_limit else None
+    limit = schedule_mem_limit(plan.costs, layout.schedule.stage_to_rank, limit_bytes=mem_limit, microbatches=count)
+    plans = layout.plans.replanned(costs=plan.costs, mem_limit=limit)
+    return dataclasses.replace(layout, plans=plans, schedule=plans.schedule(layout.schedule.num_microbatches))
 
 
 GIB = 2**30
@@ -134,28 +161,61 @@ def measured_layer_split(
     )
     plan = plan_stages(costs, mem_limit=mem_limit, **shape)
     current = evaluate_split(costs, layout.layers_per_stage, **shape)[0]
-    return MeasuredSplit(plan=plan, current=layout.layers_per_stage, current_iteration=current, mem_limit=mem_limit)
+    # the prediction: the window's means (a sum of actions and gaps), where present; the medians plan
+    means = profile.parts.get("predict") if isinstance(profile.parts, dict) else None
+    predict = costs if means is None else ModelCosts.from_dict(means)
+    even = even_split(costs.num_layers, sched.num_stages)
+    even_time = None if even is None else evaluate_split(predict, even, **shape)[0]
+    return MeasuredSplit(
+        plan=plan,
+        current=layout.layers_per_stage,
+        current_iteration=current,
+        mem_limit=mem_limit,
+        predicted=evaluate_split(predict, plan.layers, **shape)[0],
+        even=even,
+        even_iteration=even_time,
+        step=predict.step,
+    )
 
 
 @dataclass(frozen=True)
 class MeasuredSplit:
-    """The split re-decided from measured costs at the end of the profiling window."""
+    """The split re-decided from measured costs at the end of the profiling window, with the predicted iteration
+    (simulated under the measured costs plus the measured time per iteration outside the pipeline's actions) of
+    the chosen, the current and the even split."""
 
     plan: StagePlan
     current: tuple[int, ...]
     current_iteration: float
     mem_limit: float | None = None  # bytes per rank the plan was chosen within (the window's memory limit)
+    predicted: float | None = None  # the chosen split's predicted iteration (ms; None: plan.iteration)
+    even: tuple[int, ...] | None = None  # the even split (None: the layers do not divide evenly)
+    even_iteration: float | None = None  # its predicted iteration (ms)
+    step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
 
     @property
     def changes(self) -> bool:
         return tuple(self.plan.layers) != tuple(self.current)
 
     def summary(self) -> str:
+        """The one log line of the decision (``PREDICTION`` parses it back)."""
         gain = self.plan.iteration / self.current_iteration - 1 if self.current_iteration > 0 else 0.0
+        predicted = self.plan.iteration if self.predicted is None else self.predicted
         text = (
-            f"layer split from measured per-part costs: {list(self.plan.layers)} (simulated iteration "
-            f"{self.plan.iteration:.2f} ms, {gain:+.1%} against the current {list(self.current)})"
+            f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
+            f"{predicted:.2f} ms, {gain:+.1%} against the current {list(self.current)}"
         )
+        if self.even_iteration is not None:
+            ratio = predicted / self.even_iteration
+            text += f"; even split {list(self.even)}: {self.even_iteration:.2f} ms, chosen / even {ratio:.3f}"
+        text += f"; {self.step:.2f} ms per iteration outside the pipeline's actions)"
         if self.changes:
             text += "; moving the layers at this iteration boundary"
         return text
+
+
+# The decision's log line: chosen split, its predicted ms, and (when the layers divide evenly) the even split's ms.
+PREDICTION = re.compile(
+    r"layer split from measured per-part costs: \[([\d, ]+)\] \(predicted iteration ([0-9.]+) ms"
+    r"(?:.*?even split \[[\d, ]+\]: ([0-9.]+) ms)?"
+)

@@ -11,7 +11,14 @@ times them inside the profiling window through declared hooks only:
   action after its output's gradient), the B handler wrapped through the runtime's ``wrap_handler``;
 - W and the activation memory per part: the stage profile's measured W and memory of each stage, shared among its
   parts in the proportions of the analytic cost model (``megatron.model.cost_model``) -- the deferred weight
-  gradients of a stage run as one queue, which no hook splits by part.
+  gradients of a stage run as one queue, which no hook splits by part;
+- what an action holds besides its parts (the loss after the stage's output, the microbatch's tokens before the
+  embedding, the autograd engine's start, the runtime's bookkeeping): each stage's measured F, B and W minus its
+  parts' sum.  The stages that hold neither the embedding nor the head give the part every action pays
+  (``overhead``, with the runtime's gap between actions); the first and the last stage's remainder beyond it goes
+  to the embedding and the head, which travel with those stages.  The parts then add up to every measured stage;
+- the time per iteration outside the actions (the profile's ``boundary``: the optimizer step and the
+  iteration-boundary work) as the model's ``step``, which the planner adds to every candidate's iteration.
 
 Stages that recompute (``recompute_segments``) are left out of the part times (their layers' outputs are rebuilt at
 B, so the hooks registered at F never fire).  ``gather`` is collective over the pipeline group and returns the
@@ -194,30 +201,46 @@ class PartTimer:
             out.setdefault(part, {})[kind] = list(values)
         return out
 
-    def gather(self, profile: Profile, analytic: ModelCosts, *, group: Any = None) -> dict[str, Any]:
+    def gather(
+        self, profile: Profile, analytic: ModelCosts, *, group: Any = None, predict: Profile | None = None
+    ) -> dict[str, Any]:
         """The profile's ``parts`` entry (collective over ``group``, the pipeline group): each part's measured F
-        and B, W and memory from ``profile``'s stages shared in ``analytic``'s proportions."""
+        and B, W and memory from ``profile``'s stages shared in ``analytic``'s proportions.  ``predict``: the same
+        window's profile of means; its parts (every sample's mean, ``"predict"`` in the entry) predict an
+        iteration, a sum of actions and gaps, where the medians plan (``profile_gather.gather``)."""
         local = self.local_summary()
         if comm.is_initialized():
             every: list[Any] = [None] * comm.world_size(group)
             comm.all_gather_object(every, local, group=group)
         else:
             every = [local]
-        return combine_parts(every, profile, analytic)
+        out = combine_parts(every, profile, analytic)
+        if predict is not None:
+            out["predict"] = combine_parts(every, predict, analytic, statistic="mean")
+        return out
 
 
-def combine_parts(summaries: list[dict[str, dict[str, list[float]]]], profile: Profile, analytic: ModelCosts) -> dict:
+def combine_parts(
+    summaries: list[dict[str, dict[str, list[float]]]],
+    profile: Profile,
+    analytic: ModelCosts,
+    *,
+    statistic: str = "median",
+) -> dict:
     """Every rank's ``local_summary`` and the stage profile into a ``parts`` entry (see the module docstring).
 
-    Each part's F and B are the median of every rank's samples of it (a layer's: of all layers, which are alike).
-    A stage's measured W (or, without one, its F) and memory scale the analytic parts it holds.
+    Each part's F and B are the median (``statistic``: or the mean) of every rank's samples of it (a layer's: of
+    all layers, which are alike).
+    A stage's measured W (or, without one, its F) and memory scale the analytic parts it holds; each stage's
+    remainder is calibrated in (``_calibrate``).
     """
     measured: dict[str, dict[str, float]] = {}
     for part in PARTS:
         for kind in ("f", "b"):
             values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
             if values:
-                measured.setdefault(part, {})[kind] = float(statistics.median(values))
+                summary = statistics.median if statistic == "median" else statistics.fmean
+                measured.setdefault(part, {})[kind] = float(summary(values))
     missing = [p for p in PARTS if "f" not in measured.get(p, {})]
     if missing:
         raise ValueError(f"the profiling window timed no {', '.join(missing)} forward: profile at least one iteration")
@@ -246,7 +269,7 @@ def combine_parts(summaries: list[dict[str, dict[str, list[float]]]], profile: P
 
     w_stage = tuple(profile.w) if all(v is not None for v in profile.w) else None
     mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * profile.num_stages
-    out: dict[str, Any] = {"num_layers": analytic.num_layers, "comm": float(profile.comm or 0.0)}
+    parts: dict[str, dict[str, float]] = {}
     for part in PARTS:
         f = measured[part]["f"]
         b = measured[part].get("b", 0.0)
@@ -254,11 +277,45 @@ def combine_parts(summaries: list[dict[str, dict[str, list[float]]]], profile: P
             w = share(part, "w", w_stage)
         else:  # fused BW only: W in the analytic ratio to the measured F
             w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
-        out[part] = {
-            "f": max(f, 1e-6),
-            "b": max(b, 0.0),
-            "w": max(w, 0.0),
+        parts[part] = {
+            "f": f,
+            "b": b,
+            "w": w,
             "mem_f": max(share(part, "mem_f", tuple(profile.mem_f)), 0.0),
             "mem_b": max(share(part, "mem_b", mem_b), 0.0),
         }
+    overhead = _calibrate(parts, profile, held)
+    out: dict[str, Any] = {
+        "num_layers": analytic.num_layers,
+        "comm": float(profile.comm or 0.0),
+        "overhead": overhead,
+        "step": float(profile.boundary),
+    }
+    for part, q in parts.items():
+        out[part] = {**q, "f": max(q["f"], 1e-6), "b": max(q["b"], 0.0), "w": max(q["w"], 0.0)}
     return out
+
+
+def _calibrate(
+    parts: dict[str, dict[str, float]], profile: Profile, held: Callable[[int], dict[str, int]]
+) -> dict[str, float]:
+    """Make the parts add up to each measured stage (see the module docstring): returns the per-action overhead
+    and moves the first and the last stage's remainder into ``parts``' embedding and head (in place)."""
+    S = profile.num_stages
+    measured = {"f": profile.f, "b": profile.b, "w": profile.w}
+    gap = float(profile.overhead)
+    overhead: dict[str, float] = {}
+    for kind, per_stage in measured.items():
+        if any(v is None for v in per_stage):  # fused BW: no separate B and W to calibrate against
+            overhead[kind] = gap
+            continue
+
+        def rest(s: int, kind: str = kind, per_stage: tuple = per_stage) -> float:
+            return float(per_stage[s]) - sum(n * parts[p][kind] for p, n in held(s).items())
+
+        middle = [rest(s) for s in range(S) if not held(s)["embedding"] and not held(s)["head"]]
+        every = max(0.0, statistics.median(middle)) if middle else 0.0
+        parts["embedding"][kind] += rest(0) - every
+        parts["head"][kind] += rest(S - 1) - every if S > 1 else 0.0
+        overhead[kind] = every + gap
+    return overhead

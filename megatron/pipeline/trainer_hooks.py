@@ -30,6 +30,7 @@ The global grad norm counts the tied copy once, as Megatron does: the output hea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +45,12 @@ from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
 from megatron.pipeline.layer_split import (
+    GIB,
     MeasuredSplit,
     measured_layer_split,
     measured_limit_error,
     memory_limit_bytes,
+    plans_within_bytes,
 )
 from megatron.pipeline.part_timer import PartTimer
 from zb_pipeline.runtime.replanner import WindowReplanner
@@ -228,35 +231,41 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         return None
     save = run.checkpoint.save
     auto = cfg.schedule == "zb-auto"
+    # zb-auto and the V schedules plan within --pipeline-memory-limit-gb in bytes (zb-auto beside its pending-B count)
+    gb_limit = memory_limit_bytes(run.parallel) if plans_within_bytes(cfg.schedule) else None
     replanner = WindowReplanner(
         pipe.executor,
         start_iter=cfg.timers_start_iter,
         end_iter=cfg.timers_end_iter,
         name=cfg.schedule,
-        mem_limit="auto" if cfg.mem_limit_auto and auto else None,
+        mem_limit="auto" if cfg.mem_limit_auto and auto else gb_limit,
         mem_limit_microbatches=cfg.mem_limit if auto else None,
         percentile=cfg.adaptive_memory_percentile,
         group=ctx.pp_group,
         save_path=os.path.join(save, "zb_profile.json") if save else None,
         log=log,
         stage_layers=() if run.pipeline_layout is None else run.pipeline_layout.layers_per_stage,
-        limit_flag=_limit_flag(cfg) if auto else "the memory limit",
+        limit_flag=_limit_flag(cfg if auto else None, gb_limit),
     )
     if resplit:
         _measure_split(replanner, pipe, run, ctx, log)
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
 
 
-def _limit_flag(cfg: Any) -> str:
-    """How the user gave zb-auto's memory limit, for the window's one-line error."""
+def _limit_flag(cfg: Any, gb_limit: float | None = None) -> str:
+    """How the user gave the re-plan's memory limit (``cfg``: zb-auto's flags, else None), for the window's one-line
+    error."""
+    if cfg is None:
+        return "the memory limit" if gb_limit is None else f"--pipeline-memory-limit-gb {gb_limit / GIB:g}"
     if cfg.mem_limit_auto:
         return (
             f"--zero-bubble-max-pending-backward auto (--zero-bubble-adaptive-memory-limit-percentile "
             f"{cfg.adaptive_memory_percentile:g})"
         )
-    if cfg.mem_limit is None:  # no limit: the re-plan cannot fail on one
-        return "the memory limit"
-    return f"--zero-bubble-max-pending-backward {cfg.mem_limit:g}"
+    given = [] if gb_limit is None else [f"--pipeline-memory-limit-gb {gb_limit / GIB:g}"]
+    if cfg.mem_limit is not None:
+        given.append(f"--zero-bubble-max-pending-backward {cfg.mem_limit:g}")
+    return " and ".join(given) or "the memory limit"  # none: the re-plan cannot fail on one
 
 
 def _measures_split(run: RunConfig) -> bool:
@@ -280,8 +289,12 @@ def _measure_split(
     )
 
     def parts(profile: Profile) -> dict[str, Any] | None:
+        # the window's means too (collective over the pipeline group; the latency is the median profile's): they
+        # predict the iteration the trainer logs at the decision, the medians plan it
+        means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
+        means = dataclasses.replace(means, stage_layers=profile.stage_layers)
         try:  # every rank combines the same gathered samples, so all fail alike
-            return timer.gather(profile, analytic, group=ctx.pp_group)
+            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means)
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: no per-part costs ({err})")

@@ -44,12 +44,14 @@ def local_summary(
     mem: Mapping[tuple[Kind, int], Sequence[float]],
     residual: Mapping[int, Sequence[float]],
     gaps: Sequence[float],
+    boundaries: Sequence[float] = (),
     transient: Mapping[tuple[Kind, int], Sequence[float]] | None = None,
     peaks: Sequence[float],
     statistic: str = "median",
 ) -> dict[str, Any]:
     """Per-stage summaries of one rank's samples (JSON-able; what ``gather`` exchanges): times and the gap between
-    compute actions by ``statistic`` (see ``gather``), memory deltas and residuals by their median."""
+    compute actions and between iterations (``boundaries``) by ``statistic`` (see ``gather``), memory deltas and
+    residuals by their median."""
     if statistic not in STATISTICS:
         raise ValueError(f"{statistic=} must be one of {STATISTICS}")
     out: dict[str, Any] = {"stages": {}, "peak": max(peaks, default=0.0)}
@@ -62,6 +64,7 @@ def local_summary(
         entry["samples"] = len(times.get((Kind.F, s), []))
         out["stages"][s] = entry
     out["gap"] = summarise(gaps, statistic)
+    out["boundary"] = summarise(boundaries, statistic)
     return out
 
 
@@ -137,6 +140,9 @@ def gather(
         return tuple(per_stage[s][name] for s in range(S))
 
     gaps = [one["gap"] for _, one in gathered if one.get("gap") is not None]
+    # Between iterations every rank but the one whose plan ends last also waits for it (the collectives of the step):
+    # the shortest rank's time is the work the next iteration's start waits for.
+    boundaries = [one["boundary"] for _, one in gathered if one.get("boundary") is not None]
     mem_f = tuple(float(v or 0.0) for v in col("mem_F"))
     mem_b = tuple(float(v) if v is not None else 0.0 for v in col("mem_B"))
     return Profile(
@@ -161,6 +167,7 @@ def gather(
         memory_source=memory_source,
         device=device,
         overhead=float(summarise(gaps, statistic)) if gaps else 0.0,
+        boundary=float(min(boundaries)) if boundaries else 0.0,
         statistic=statistic,
     )
 

@@ -4,7 +4,9 @@ In a window of iterations ``[start_iter, end_iter)`` an ``ActionProfiler`` attac
 
 - the time of every compute action per virtual stage (its input wait excluded: the clock starts once
   ``fetch_input`` / ``fetch_output_grad`` has returned), with ``time.perf_counter`` on CPU and CUDA events on GPU,
-  and on CPU the runtime's own gap between two compute actions;
+  and on CPU the runtime's own gap between two compute actions and the time between iterations (from an
+  iteration's last compute action to the next one's first call: the optimizer step, the loss reductions, the next
+  batch -- what an iteration holds besides the plan);
 - the activation memory each action adds or frees and the rank's peak (``zb_pipeline.runtime.activation_memory``).
 
 It attaches through the executor's extension points only: ``wrap_handler`` around each compute kind, the
@@ -70,6 +72,8 @@ class ActionProfiler:
         self.gaps: list[float] = []  # ms from one action's end to the next handler call, profiler's own time out
         self._prev_end: float | None = None
         self._own_time = 0.0
+        self.boundaries: list[float] = []  # CPU: ms from an iteration's last compute action to the next one's first
+        self._iteration_end: float | None = None  # the last action's end of the previous (profiled) iteration
         self._install()
 
     # the activation-memory samples (see ``ActivationMemory``)
@@ -118,7 +122,9 @@ class ActionProfiler:
     def _begin_iteration(self, ex: PipelineExecutor) -> None:
         self.activation.close_iteration()
         it = ex.iteration
+        was_active = self.active
         self.active = it >= self.start_iter and (self.end_iter is None or it < self.end_iter)
+        self._iteration_end = self._prev_end if was_active and self.active else None
         self._prev_end = None
         if self.active:
             self.activation.begin_iteration()
@@ -146,6 +152,9 @@ class ActionProfiler:
             called = time.perf_counter()
             if self._prev_end is not None and not self.cuda:
                 self.gaps.append(max(0.0, called - self._prev_end - self._own_time) * 1e3)
+            elif self._iteration_end is not None and not self.cuda:  # the first action after a profiled iteration
+                self.boundaries.append(max(0.0, called - self._iteration_end - self._own_time) * 1e3)
+                self._iteration_end = None
             before = self.activation.before_action(kind, (a.stage, a.microbatch))
             self._in_action = True
             self._start = self._now()
@@ -189,6 +198,7 @@ class ActionProfiler:
             residual=self.residual,
             transient=self.transient,
             gaps=self.gaps,
+            boundaries=self.boundaries,
             peaks=self.peaks,
             statistic=statistic,
         )

@@ -115,11 +115,12 @@ class WindowReplanner:
     """Profile ``[start_iter, end_iter)``, then regenerate and switch the plan at the iteration boundary.
 
     Call ``after_iteration(iteration)`` after every ``executor.run``; at ``end_iter - 1`` it gathers the profile
-    (collective over ``group``), regenerates ``name`` with the memory limit (bytes, or ``mem_limit_microbatches``
-    microbatches, or ``"auto"`` for ``percentile`` % of the GPU), switches the executor and logs one line.  It
-    returns the ``Replan`` then (the trainer updates its own copies of the plan), ``None`` otherwise.  Every rank
-    of the job calls it: the profile of global rank ``broadcast_src`` (one collective over the default group) and
-    the smallest memory limit are used everywhere, so all tensor- and data-parallel replicas switch to one plan.
+    (collective over ``group``), regenerates ``name`` with the memory limit (bytes, or ``"auto"`` for
+    ``percentile`` % of the GPU, and/or ``mem_limit_microbatches`` microbatches: the smaller), switches the executor
+    and logs one line.  It returns the ``Replan`` then (the trainer updates its own copies of the plan), ``None``
+    otherwise.  Every rank of the job calls it: the profile of global rank ``broadcast_src`` (one collective over
+    the default group) and the smallest memory limit are used everywhere, so all tensor- and data-parallel replicas
+    switch to one plan.
     """
 
     executor: PipelineExecutor
@@ -155,13 +156,16 @@ class WindowReplanner:
         self.profiler = ActionProfiler(self.executor, start_iter=self.start_iter, end_iter=self.end_iter)
 
     def resolve_mem_limit(self, profile: Profile) -> float | None:
+        """The plan's limit in bytes per rank: ``mem_limit`` (bytes, or the device's share for ``"auto"``) and
+        ``mem_limit_microbatches`` converted with the measured per-microbatch bytes, the smaller of those given."""
         if self.mem_limit == "auto":
-            return adaptive_mem_limit(self.percentile, self.profiler.device if self.profiler else None)
-        if self.mem_limit is not None:
-            return float(self.mem_limit)
-        if self.mem_limit_microbatches is not None:
-            return mem_limit_for_microbatches(profile, self.mem_limit_microbatches)
-        return None
+            limit = adaptive_mem_limit(self.percentile, self.profiler.device if self.profiler else None)
+        else:
+            limit = None if self.mem_limit is None else float(self.mem_limit)
+        if self.mem_limit_microbatches is None:
+            return limit
+        pending = mem_limit_for_microbatches(profile, self.mem_limit_microbatches)
+        return pending if limit is None else min(limit, pending)
 
     def attach(self, runtime: Any) -> None:
         """Run inside ``runtime`` (a ``PipelineRuntime`` over this replanner's executor): called after each of its

@@ -12,7 +12,7 @@ validator and the generators all ask these.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, PlanAction, Schedule
@@ -107,3 +107,33 @@ def peak_memory(schedule: Schedule, costs: StageCosts) -> tuple[float, ...]:
 def schedule_mem_floor(schedule: Schedule, costs: StageCosts) -> float:
     """The smallest ``mem_limit`` that ``schedule`` fits in: its largest per-rank peak."""
     return max(peak_memory(schedule, costs), default=0.0)
+
+
+def microbatch_bytes(mem_f: Sequence[float], mem_b: Sequence[float], stage_to_rank: Sequence[int]) -> float:
+    """The most any rank holds for one microbatch (the sum over its stages of ``max(mem_f, mem_f + mem_b)``: what F
+    keeps, or after B what waits for W, with the recompute in force)."""
+    per_rank = [0.0] * (max(stage_to_rank) + 1)
+    for s, r in enumerate(stage_to_rank):
+        per_rank[r] += max(0.0, mem_f[s], mem_f[s] + mem_b[s])
+    return max(per_rank)
+
+
+def schedule_mem_limit(
+    costs: StageCosts,
+    stage_to_rank: Sequence[int],
+    *,
+    limit_bytes: float | None = None,
+    microbatches: float | None = None,
+) -> float | None:
+    """A memory-capped generator's limit in the units of ``costs``' memory (bytes per rank): ``limit_bytes`` (a
+    byte limit such as ``--pipeline-memory-limit-gb``) and ``microbatches`` (``--zero-bubble-max-pending-backward
+    N``: N microbatches of the heaviest rank, ``microbatch_bytes``, plus the largest transient a B holds while it
+    recomputes, so N keeps counting pending microbatches under the recompute in force), the smaller of those
+    given; ``None`` without either."""
+    limits = [] if limit_bytes is None else [float(limit_bytes)]
+    if microbatches is not None:
+        if not microbatches > 0:
+            raise ValueError(f"memory limit of {microbatches} microbatches must be > 0")
+        one = microbatch_bytes(costs.mem_f, costs.mem_b, stage_to_rank)
+        limits.append(float(microbatches) * one + max(costs.mem_b_transient, default=0.0))
+    return min(limits) if limits else None

@@ -21,6 +21,7 @@ from typing import Any
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
+from zb_pipeline.schedule.memory import microbatch_bytes, schedule_mem_limit
 from zb_pipeline.schedule.registry import placement_of
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
@@ -61,6 +62,9 @@ class Profile:
     memory_source: str = "none"  # "cuda" | "saved-tensors" | "none"
     device: str = "cpu"
     overhead: float = 0.0  # ms of runtime work between two compute actions of a rank (its gap; 0 = not measured)
+    # ms per iteration outside its compute actions (optimizer step, loss reductions, the next batch): the shortest
+    # rank's time from an iteration's last action to the next one's first (CPU; 0 = not measured)
+    boundary: float = 0.0
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
     mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
     mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
@@ -175,14 +179,20 @@ class Profile:
 
         kept = max(0.0, layer[3])
         lay = PartCosts(f=layer[0], b=layer[1], w=layer[2], mem_f=kept, mem_b=max(-kept, layer[4]))
-        return ModelCosts(num_layers=sum(n), layer=lay, embedding=beyond(0), head=beyond(S - 1), comm=self.comm)
+        o = self.overhead
+        return ModelCosts(
+            num_layers=sum(n),
+            layer=lay,
+            embedding=beyond(0),
+            head=beyond(S - 1),
+            comm=self.comm,
+            overhead=PartCosts(f=o, b=o, w=o),
+            step=self.boundary,
+        )
 
     def microbatch_bytes(self) -> float:
-        """The most any rank holds for one microbatch (its share's ``max(mem_f, mem_f + mem_b)``)."""
-        per_rank = [0.0] * self.num_ranks
-        for s, r in enumerate(self.stage_to_rank):
-            per_rank[r] += max(0.0, self.mem_f[s], self.mem_f[s] + self.mem_b[s])
-        return max(per_rank)
+        """The most any rank holds for one microbatch (``memory.microbatch_bytes``)."""
+        return microbatch_bytes(self.mem_f, self.mem_b, self.stage_to_rank)
 
     # -- files ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -215,6 +225,8 @@ class Profile:
             raise ValueError(f"profile statistic {prof.statistic!r} must be one of {STATISTICS}")
         if not (math.isfinite(prof.overhead) and prof.overhead >= 0):
             raise ValueError(f"profile overhead {prof.overhead} must be finite and >= 0 (ms per compute action)")
+        if not (math.isfinite(prof.boundary) and prof.boundary >= 0):
+            raise ValueError(f"profile boundary {prof.boundary} must be finite and >= 0 (ms per iteration)")
         return prof
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -256,12 +268,14 @@ def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = T
 
 
 def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
-    """``--zero-bubble-max-pending-backward N`` in bytes: N microbatches' activations of the heaviest rank (measured
-    with the run's recomputation in force), plus the largest transient a B holds while it recomputes, so that N keeps
-    counting pending microbatches."""
-    if not n > 0:
-        raise ValueError(f"memory limit of {n} microbatches must be > 0")
-    return float(n) * profile.microbatch_bytes() + max(profile.mem_b_transient, default=0.0)
+    """``--zero-bubble-max-pending-backward N`` in bytes under ``profile``'s measured memory (with the run's
+    recomputation in force): ``memory.schedule_mem_limit``'s conversion."""
+    costs = StageCosts(
+        f=(1.0,) * profile.num_stages, b=(1.0,) * profile.num_stages, w=(1.0,) * profile.num_stages, comm=0.0,
+        mem_f=profile.mem_f, mem_b=profile.mem_b, mem_w=tuple(-(x + y) for x, y in zip(profile.mem_f, profile.mem_b)),
+        mem_b_transient=tuple(profile.mem_b_transient),
+    )  # fmt: skip
+    return schedule_mem_limit(costs, profile.stage_to_rank, microbatches=n)
 
 
 def profile_is_finite(profile: Profile) -> bool:

@@ -109,12 +109,17 @@ class ModelCosts:
     head: PartCosts
     comm: float = 0.0  # time added to every cross-rank hand-off
     recompute: tuple[RecomputeOption, ...] = ()  # options each stage may take besides no recompute
+    # Time every virtual stage's F, B and W takes beyond its parts (the runtime's work per action); memory unused.
+    overhead: PartCosts = PartCosts(f=0.0, b=0.0, w=0.0)
+    step: float = 0.0  # time per iteration outside the pipeline's actions (optimizer step, iteration boundary)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"num_layers={self.num_layers} must be >= 1")
         if not (math.isfinite(self.comm) and self.comm >= 0):
             raise ValueError(f"communication cost {self.comm} must be finite and >= 0")
+        if not (math.isfinite(self.step) and self.step >= 0):
+            raise ValueError(f"time per iteration outside the pipeline {self.step} must be finite and >= 0")
         names = [o.name for o in self.recompute]
         if len(set(names)) != len(names):
             raise ValueError(f"recompute option names repeat: {names}")
@@ -122,13 +127,22 @@ class ModelCosts:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
         """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
-        "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...]}``."""
+        "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...], "overhead": {f, b, w},
+        "step": T}`` (the last two optional)."""
         if not isinstance(d, dict):
             raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
         try:
             parts = {k: PartCosts(**d[k]) for k in ("layer", "embedding", "head")}
             rec = tuple(RecomputeOption(**o) for o in d.get("recompute", ()))
-            return cls(num_layers=int(d["num_layers"]), comm=float(d.get("comm", 0.0)), recompute=rec, **parts)
+            over = PartCosts(**d.get("overhead", {"f": 0.0, "b": 0.0, "w": 0.0}))
+            return cls(
+                num_layers=int(d["num_layers"]),
+                comm=float(d.get("comm", 0.0)),
+                recompute=rec,
+                overhead=over,
+                step=float(d.get("step", 0.0)),
+                **parts,
+            )
         except KeyError as err:
             raise ValueError(f"model parts lack {err}: give num_layers, layer, embedding and head") from None
         except TypeError as err:
@@ -141,9 +155,10 @@ class ModelCosts:
         return (NO_RECOMPUTE,) + tuple(o.name for o in self.recompute)
 
     def stage_part(self, num_layers: int, option: int, *, first: bool, last: bool) -> PartCosts:
-        """One virtual stage: ``num_layers`` layers under option ``option`` (0 = none), plus the embedding/head."""
+        """One virtual stage: ``num_layers`` layers under option ``option`` (0 = none), plus the embedding/head and
+        the per-action overhead."""
         layer = self.layer if option == 0 else self.recompute[option - 1].apply(self.layer)
-        parts = [(num_layers, layer)] + [(1, self.embedding)] * first + [(1, self.head)] * last
+        parts = [(num_layers, layer), (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
         return PartCosts(
             f=sum(n * q.f for n, q in parts),
             b=sum(n * q.b for n, q in parts),
@@ -175,7 +190,7 @@ class StagePlan:
     schedule_name: str
     layers: tuple[int, ...]  # per virtual stage
     recompute: tuple[str, ...]  # per virtual stage: an option name or "none"
-    iteration: float  # simulated end of the iteration (SimResult.end_time)
+    iteration: float  # simulated end of the iteration (SimResult.end_time) plus the model's ``step``
     peak_memory: tuple[float, ...]  # per rank
     schedule: Schedule
     costs: StageCosts
@@ -391,7 +406,8 @@ def plan_stages(
         )
     layers, opts, end, peak, plan, costs = best
     names = model.option_names()
-    return StagePlan(schedule, layers, tuple(names[o] for o in opts), end, peak, plan, costs, n, exact)
+    iteration = end + model.step
+    return StagePlan(schedule, layers, tuple(names[o] for o in opts), iteration, peak, plan, costs, n, exact)
 
 
 def evaluate_split(
@@ -404,8 +420,8 @@ def evaluate_split(
     chunks: int | None = None,
     recompute: Sequence[str] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    """(simulated iteration, per-rank peak) of one given split (and recompute choice, default none): what the
-    planner's answer is compared with, e.g. the even split."""
+    """(simulated iteration plus the model's ``step``, per-rank peak) of one given split (and recompute choice,
+    default none): what the planner's answer is compared with, e.g. the even split."""
     shape = _shape(schedule, num_ranks, num_microbatches, chunks)
     if len(layers) != shape.num_stages or sum(layers) != model.num_layers:
         raise ValueError(f"split {list(layers)} is not {model.num_layers} layers over {shape.num_stages} stages")
@@ -415,7 +431,7 @@ def evaluate_split(
     plan = _plan_for(shape, costs, None)
     if plan is None:
         raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}")
-    return simulate(plan, costs).end_time, _peak(plan, costs)
+    return simulate(plan, costs).end_time + model.step, _peak(plan, costs)
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
