@@ -8,7 +8,8 @@ are started asynchronously and read back at log lines; ``--log-num-zeros-in-grad
 that log).  Between the step and the next iteration's first compute action no blocking collective is called: the
 ``--exit-signal-handler`` and ``--exit-duration-in-mins`` flags are reduced asynchronously, each answer read an
 iteration after it was started.  With tied embeddings the one wait allowed is the embedding copy's own gradient
-sum, which must have been started right after the last W of the copy's stage.  The run's last iteration synchronises (log line, end of run) and is not checked.
+sum, which must have been started right after the last W of the copy's stage.  The run's last iteration
+synchronises (log line, end of run) and is not checked.
 """
 
 from __future__ import annotations
