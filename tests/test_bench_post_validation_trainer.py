@@ -17,20 +17,21 @@ from zb_pipeline.schedule import registry  # noqa: E402
 from zb_pipeline.schedule.plan_file import plan_to_dict  # noqa: E402
 from zb_pipeline.schedule.steady_state import steady_state  # noqa: E402
 
-LOG = """\
- iteration        2/      14 | consumed samples: 16 | elapsed time per iteration (ms): 671.5 | lm loss: 0 |
-replanned zb-auto (p=4, m=8) from profiled costs: predicted iteration 607.04 ms, bubble rate 1.7%
- iteration        4/      14 | consumed samples: 32 | elapsed time per iteration (ms): 696.6 | lm loss: 0 |
- iteration        6/      14 | consumed samples: 48 | elapsed time per iteration (ms): 656.6 | lm loss: 0 |
- iteration        8/      14 | consumed samples: 64 | elapsed time per iteration (ms): 660.9 | lm loss: 0 |
-"""
+
+def _event(rank: int, cat: str, iteration: int, ts_ms: float) -> dict:
+    args = {"iteration": iteration}
+    return {"ph": "X", "pid": rank, "tid": 0, "cat": cat, "ts": ts_ms * 1e3, "dur": 1.0, "args": args}
 
 
-def test_log_windows_after_the_replan_only() -> None:
-    windows, after = bench.parse_log(LOG)
-    assert windows == [(2, 671.5), (4, 696.6), (6, 656.6), (8, 660.9)] and after == 4
-    assert bench.measured_windows(windows, after) == [656.6, 660.9]
-    assert bench.measured_windows(*bench.parse_log(LOG.replace("replanned", "planned"))) == []
+def test_periods_are_rank0s_iteration_starts_after_the_replan() -> None:
+    starts = [0, 100, 200, 300, 400, 500, 610, 730, 860]  # rank 0's first F of iterations 0..8
+    events = [_event(0, "F", i, t) for i, t in enumerate(starts)]
+    events += [_event(0, "W", i, t + 50) for i, t in enumerate(starts)]  # later actions of the same iteration
+    events += [_event(1, "F", i, t - 5) for i, t in enumerate(starts)]  # another rank's, and a wait: not counted
+    events += [_event(0, "wait", i, t - 7) for i, t in enumerate(starts)]
+    first = bench.WINDOW[1] + bench.SETTLE
+    want = [starts[i + 1] - starts[i] for i in range(first, len(starts) - 1)]
+    assert bench.trace_periods({"traceEvents": events}) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("tied,pv", [(False, True), (True, False)])
