@@ -53,7 +53,7 @@ from bench_pipeline_emulated import EMU_COSTS, run_emulated  # noqa: E402
 from bench_pipeline_real import _real_rank, _schedules_for, run_real  # noqa: E402
 from bench_pipeline_report import plot, to_markdown  # noqa: E402
 
-from zb_pipeline.runtime.emulate import SPIN_S, EmulatedCosts  # noqa: E402
+from zb_pipeline.runtime.emulate import EmulatedCosts  # noqa: E402
 
 try:  # BENCH's peer benchmark: the same GPT blocks, its alternated timing and bootstrap
     import bench_torch_pipelining as tp_bench
@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         "--emulated-spin-ms",
         type=float,
         default=None,
-        help="emulated: the spun end of every sleep (default 0.3; less leaves the cores to the other ranks' wake-ups)",
+        help="emulated: the spun end of every sleep (default 0.3 ms while every rank has a core, else 0)",
     )
     ap.add_argument(
         "--m", "--microbatches", dest="m", type=int, nargs="+", default=None, help="real: microbatches (default 4 8)"
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.emulated_iterations or (2 if quick else 6),
             log,
             emu=EMU_COSTS if args.emulated_costs is None else EmulatedCosts.parse(args.emulated_costs),
-            spin_s=SPIN_S if args.emulated_spin_ms is None else args.emulated_spin_ms / 1e3,
+            spin_s=None if args.emulated_spin_ms is None else args.emulated_spin_ms / 1e3,
         )
     if "real" in parts:
         if model is None:

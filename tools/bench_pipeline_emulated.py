@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
-from zb_pipeline.runtime.emulate import SPIN_S, EmulatedCompute, EmulatedCosts
+from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts, spin_for
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.profile_gather import measure_p2p_latency
@@ -160,11 +160,12 @@ def run_emulated(
     log: Callable[[str], None],
     *,
     emu: EmulatedCosts = EMU_COSTS,
-    spin_s: float = SPIN_S,
+    spin_s: float | None = None,
 ) -> dict:
-    """Every schedule at every (p, m) under the emulated costs ``emu``; ``spin_s`` as in ``sleep_until``."""
+    """Every schedule at every (p, m) under the emulated costs ``emu``; ``spin_s`` as in ``sleep_until`` (``None``:
+    ``spin_for(p)``, no spin when the ranks outnumber the cores)."""
     rows = []
-    latencies, hot_latencies = {}, {}
+    latencies, hot_latencies, spins = {}, {}, {}
     for p in ps:
         cases = []
         for m in ms:
@@ -176,7 +177,9 @@ def run_emulated(
                     continue
                 cases.append((name, m))
         log(f"(a) emulated compute, p={p}: {len(cases)} runs of {iterations} iterations")
-        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations, emu, spin_s), timeout_s=1800)
+        spin = spin_for(p) if spin_s is None else spin_s
+        spins[p] = spin * 1e3
+        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations, emu, spin), timeout_s=1800)
         lat = statistics.median(r["latency_ms"] for r in res)
         latencies[p] = lat
         hot_latencies[p] = statistics.median(r["hot_latency_ms"] for r in res)
@@ -234,5 +237,5 @@ def run_emulated(
         "hot_latency_ms": hot_latencies,
         "idle_s": IDLE_S,
         "costs_ms": asdict(emu),
-        "spin_ms": spin_s * 1e3,
+        "spin_ms": spins,
     }

@@ -20,6 +20,7 @@ and the trace all behave exactly as in a real run.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,6 +86,12 @@ def parse_stage_scale(text: str, num_ranks: int) -> tuple[float, ...]:
 # spun instead, so an emulated action ends on time and its output is posted when the plan says.  With many more ranks
 # than cores the spins compete with the other ranks' wake-ups: ``spin_s`` (``EmulatedCompute(spin_s=...)``) sets it.
 SPIN_S = 3e-4
+
+
+def spin_for(ranks_on_host: int) -> float:
+    """``SPIN_S`` while every rank has a core, else 0: with more ranks than cores a spinning rank delays the others'
+    wake-ups (measured at p = 16 on 2 cores: the span's error over the simulator fell from 2-9% to 0.6-8%)."""
+    return SPIN_S if ranks_on_host <= (os.cpu_count() or 1) else 0.0
 
 
 def sleep_until(deadline: float, spin_s: float = SPIN_S) -> None:
