@@ -49,9 +49,11 @@ for path in (REPO, os.path.join(REPO, "tools")):
         sys.path.insert(0, path)
 
 from bench_pipeline_analysis import aggregate_real  # noqa: E402
-from bench_pipeline_emulated import run_emulated  # noqa: E402
+from bench_pipeline_emulated import EMU_COSTS, run_emulated  # noqa: E402
 from bench_pipeline_real import _real_rank, _schedules_for, run_real  # noqa: E402
 from bench_pipeline_report import plot, to_markdown  # noqa: E402
+
+from zb_pipeline.runtime.emulate import EmulatedCosts  # noqa: E402
 
 try:  # BENCH's peer benchmark: the same GPT blocks, its alternated timing and bootstrap
     import bench_torch_pipelining as tp_bench
@@ -88,6 +90,15 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="emulated: iterations per schedule, the first one not counted (default 6)",
+    )
+    ap.add_argument(
+        "--emulated-costs", default=None, help="emulated: F,B,W,OPT in ms per rank's share (default 20,20,10,5)"
+    )
+    ap.add_argument(
+        "--emulated-spin-ms",
+        type=float,
+        default=None,
+        help="emulated: the spun end of every sleep (default 0.3 ms while every rank has a core, else 0)",
     )
     ap.add_argument(
         "--m", "--microbatches", dest="m", type=int, nargs="+", default=None, help="real: microbatches (default 4 8)"
@@ -168,7 +179,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[{time.perf_counter() - t0:7.1f}s] {line}", flush=True)
 
     if "emulated" in parts:
-        report["emulated"] = run_emulated(ps, ems, args.emulated_iterations or (2 if quick else 6), log)
+        report["emulated"] = run_emulated(
+            ps,
+            ems,
+            args.emulated_iterations or (2 if quick else 6),
+            log,
+            emu=EMU_COSTS if args.emulated_costs is None else EmulatedCosts.parse(args.emulated_costs),
+            spin_s=None if args.emulated_spin_ms is None else args.emulated_spin_ms / 1e3,
+        )
     if "real" in parts:
         if model is None:
             log("(b) real compute skipped: tools/bench_torch_pipelining.py (the shared GPT settings) is not importable")
@@ -202,6 +220,13 @@ def _arg_error(args: argparse.Namespace, parts: set[str]) -> str | None:
         return "--launches must be >= 1 and goes with the pairwise method (not --one-launch)"
     if args.emulated_iterations is not None and args.emulated_iterations < 2:
         return "--emulated-iterations must be >= 2 (the first is a warm-up)"
+    if args.emulated_spin_ms is not None and not args.emulated_spin_ms >= 0:
+        return "--emulated-spin-ms must be >= 0"
+    if args.emulated_costs is not None:
+        try:
+            EmulatedCosts.parse(args.emulated_costs)
+        except ValueError as err:
+            return str(err).replace("--emulate-compute", "--emulated-costs")
     return None
 
 

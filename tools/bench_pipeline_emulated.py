@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
-from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts
+from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts, spin_for
 from zb_pipeline.runtime.executor import PipelineExecutor
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
 from zb_pipeline.runtime.profile_gather import measure_p2p_latency
@@ -30,7 +30,7 @@ from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.testing import run_multiprocess
 
-EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)
+EMU_COSTS = EmulatedCosts(20.0, 20.0, 10.0, 5.0)  # the default; ``--emulated-costs F,B,W,OPT`` sets others
 EMU_SPEC = (4, 16)
 IDLE_S = 0.01  # how long a receiver waits idle before each hop when T_comm is measured (about one action)
 
@@ -46,28 +46,30 @@ def compute_span_ms(tracer: Tracer, iteration: int) -> float:
     return (max(e["ts"] + e["dur"] for e in evs) - min(e["ts"] for e in evs)) / 1e3
 
 
-def emulated_costs(name: str, p: int, comm_ms: float) -> StageCosts:
-    """The emulated costs (F, B, W per rank's share, T_comm ``comm_ms``) over schedule ``name``'s stages."""
+def emulated_costs(name: str, p: int, comm_ms: float, emu: EmulatedCosts = EMU_COSTS) -> StageCosts:
+    """The emulated costs ``emu`` (F, B, W per rank's share, T_comm ``comm_ms``) over schedule ``name``'s stages."""
     chunks = registry.get(name).default_chunks
     return StageCosts.build(
         num_ranks=p,
         chunks=chunks,
         stage_to_rank=registry.placement_of(name, p, chunks),
-        f=EMU_COSTS.f_ms,
-        b=EMU_COSTS.b_ms,
-        w=EMU_COSTS.w_ms,
+        f=emu.f_ms,
+        b=emu.b_ms,
+        w=emu.w_ms,
         comm=comm_ms,
     )
 
 
-def emulated_plan(name: str, p: int, m: int, comm_ms: float) -> Schedule:
+def emulated_plan(name: str, p: int, m: int, comm_ms: float, emu: EmulatedCosts = EMU_COSTS) -> Schedule:
     """Schedule ``name`` planned for the emulated costs, as the trainer plans the cost-dependent schedules from
     measured costs."""
-    costs = emulated_costs(name, p, comm_ms)
+    costs = emulated_costs(name, p, comm_ms, emu)
     return registry.generate(name, p, m, chunks=costs.num_stages // p, costs=costs)
 
 
-def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iterations: int) -> dict:
+def _emulated_rank(
+    rank: int, world: int, cases: list[tuple[str, int]], iterations: int, emu_costs: EmulatedCosts, spin_s: float
+) -> dict:
     torch.set_num_threads(1)
     specs_shape = EMU_SPEC
     # T_comm for the simulator: a hop to a receiver that has been waiting idle (as a rank in a bubble does); the
@@ -78,7 +80,9 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
     hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
     out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
     for name, m in cases:
-        sched = emulated_plan(name, world, m, latency)  # the latency is agreed: every rank makes the same plan
+        sched = emulated_plan(
+            name, world, m, latency, emu_costs
+        )  # the latency is agreed: every rank makes the same plan
         specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
         tracer = Tracer(rank)
         p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
@@ -86,7 +90,7 @@ def _emulated_rank(rank: int, world: int, cases: list[tuple[str, int]], iteratio
         ex = PipelineExecutor(
             lower(sched), rank, stages, p2p=p2p, input_fn=lambda mb: None, loss_fn=lambda o, mb: None, tracer=tracer
         )
-        emu = EmulatedCompute(EMU_COSTS, chunks=sched.chunks, boundary_specs=specs)
+        emu = EmulatedCompute(emu_costs, chunks=sched.chunks, boundary_specs=specs, spin_s=spin_s)
         emu.attach(ex)
         spans, iters, sends, waits = [], [], [], []
         for it in range(iterations):
@@ -130,12 +134,12 @@ def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list
     return produced, waits
 
 
-def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float | None:
+def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int, emu: EmulatedCosts = EMU_COSTS) -> float | None:
     """Effective cost of one cross-rank hop inside the running pipeline: for every receive that blocked, the end of
     the wait minus the moment the producing action was due to end (its start + its emulated cost).  It holds what
     the ping-pong misses: the sender oversleeping before it posts, the transfer, and the receiver's wake-up.  The
     mean over the blocked receives: a critical path of n hops costs n times the mean, not the median."""
-    cost = {"F": EMU_COSTS.f_ms, "B": EMU_COSTS.b_ms, "BW": EMU_COSTS.b_ms + EMU_COSTS.w_ms}
+    cost = {"F": emu.f_ms, "B": emu.b_ms, "BW": emu.b_ms + emu.w_ms}
     due = {}
     for r in results:
         for k, kind, begin in r["cases"][key]["sends"]:
@@ -149,9 +153,19 @@ def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int) -> float 
     return max(0.0, statistics.fmean(samples)) if samples else None  # a chain of hops adds up their mean
 
 
-def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Callable[[str], None]) -> dict:
+def run_emulated(
+    ps: Sequence[int],
+    ms: Sequence[int],
+    iterations: int,
+    log: Callable[[str], None],
+    *,
+    emu: EmulatedCosts = EMU_COSTS,
+    spin_s: float | None = None,
+) -> dict:
+    """Every schedule at every (p, m) under the emulated costs ``emu``; ``spin_s`` as in ``sleep_until`` (``None``:
+    ``spin_for(p)``, no spin when the ranks outnumber the cores)."""
     rows = []
-    latencies, hot_latencies = {}, {}
+    latencies, hot_latencies, spins = {}, {}, {}
     for p in ps:
         cases = []
         for m in ms:
@@ -163,7 +177,9 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
                     continue
                 cases.append((name, m))
         log(f"(a) emulated compute, p={p}: {len(cases)} runs of {iterations} iterations")
-        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations), timeout_s=1800)
+        spin = spin_for(p) if spin_s is None else spin_s
+        spins[p] = spin * 1e3
+        res = run_multiprocess(_emulated_rank, p, args=(cases, iterations, emu, spin), timeout_s=1800)
         lat = statistics.median(r["latency_ms"] for r in res)
         latencies[p] = lat
         hot_latencies[p] = statistics.median(r["hot_latency_ms"] for r in res)
@@ -174,9 +190,9 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
             span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
             whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
             sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
-            costs = emulated_costs(name, p, lat)  # the plan came from rank 0: no second search
+            costs = emulated_costs(name, p, lat, emu)  # the plan came from rank 0: no second search
             sim = simulate(sched, costs)
-            lat_in = in_pipeline_latency_ms(res, key, sched.chunks)
+            lat_in = in_pipeline_latency_ms(res, key, sched.chunks, emu)
             sim_in = simulate(sched, replace(costs, comm=lat_in)) if lat_in is not None else sim
             hops = simulate(sched, replace(costs, comm=costs.comm + 1.0)).makespan - sim.makespan  # per ms of T_comm
             path = critical_path(merge_traces([r["cases"][key]["trace"] for r in res]), sched, iterations - 1)
@@ -220,5 +236,6 @@ def run_emulated(ps: Sequence[int], ms: Sequence[int], iterations: int, log: Cal
         "latency_ms": latencies,
         "hot_latency_ms": hot_latencies,
         "idle_s": IDLE_S,
-        "costs_ms": asdict(EMU_COSTS),
+        "costs_ms": asdict(emu),
+        "spin_ms": spins,
     }

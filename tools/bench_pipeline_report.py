@@ -71,6 +71,15 @@ def _header_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _spin_text(spin: Any) -> str:
+    """The spun end of each emulated sleep: one value (older reports) or one per p."""
+    if spin is None:
+        return "0.3 ms"
+    if isinstance(spin, dict):
+        return ", ".join(f"p={p}: {v:g} ms" for p, v in spin.items())
+    return f"{spin:g} ms"
+
+
 def _emulated_lines(emu: dict[str, Any]) -> list[str]:
     """(a): the runtime on emulated compute against the simulator."""
     c = emu["costs_ms"]
@@ -84,7 +93,10 @@ def _emulated_lines(emu: dict[str, Any]) -> list[str]:
         f"{c['opt_ms']:g} ms; T_comm in the simulation = measured gloo one-way latency to a receiver that waited "
         f"idle {emu['idle_s'] * 1e3:g} ms before each message, as a rank in a bubble does ({lat}; back-to-back "
         f"round trips give {hot_text or 'n/a'}: this VM's idle cores wake slowly). Emulated actions sleep, then "
-        "spin their last 0.3 ms, so they end on time. Every schedule is planned for these costs (those whose plan "
+        f"spin the last {_spin_text(emu.get('spin_ms'))} of each sleep (`--emulated-spin-ms`; by default 0 when the "
+        "ranks outnumber the cores), so they end on time. "
+        "Every schedule is planned for these "
+        "costs (those whose plan "
         "depends on the costs -- zb-auto, ZB-H2, the V schedules, interleaved-zb -- as the trainer plans them "
         "from profiled costs). "
         f"Span: the slowest rank's first compute start to last compute end (trace), median over iterations "

@@ -22,6 +22,9 @@ Also measured per rank: the time the step call takes beyond ``--opt-ms`` -- the 
 adds between a rank's last backward action and its update, which post-validation removes.
 
 Writes ``post_validation.md``, ``post_validation.json`` and ``post_validation.png`` under ``--out``.
+
+``--trainer`` measures the same through ``pretrain_gpt.py`` launches instead of a bare executor (zb-auto and ZB-H2,
+p = 4 and 8, m = 2p; ``tools/bench_post_validation_trainer.py``, whose flags follow ``--trainer``).
 """
 
 from __future__ import annotations
@@ -261,6 +264,11 @@ def plot(report: dict[str, Any], path: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--trainer" in argv:
+        from bench_post_validation_trainer import main as trainer_main
+
+        return trainer_main([a for a in argv if a != "--trainer"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     ap.add_argument("--quick", action="store_true", help="p = 4, m = 8, 1 run of 3 iterations (a smoke test)")
@@ -270,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--opt-ms", type=float, default=20.0)
     ap.add_argument("--schedule", default="zb-auto")
+    ap.add_argument("--trainer", action="store_true", help="measure through pretrain_gpt.py launches (see above)")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from --out's post_validation.json")
     args = ap.parse_args(argv)
     if args.replot:

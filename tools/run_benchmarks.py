@@ -68,6 +68,13 @@ BENCHMARKS: list[Benchmark] = [
         timeout_s=1800.0,
     ),
     Benchmark(
+        "post_validation_trainer",
+        "tools/bench_post_validation.py",
+        "post-validation through pretrain_gpt.py: zb-auto and ZB-H2, p = 4 and 8, m = 2p, emulated compute",
+        timeout_s=3600.0,
+        extra_args=("--trainer",),
+    ),
+    Benchmark(
         "layer_split",
         "tools/bench_layer_split.py",
         "even against auto layer split (--pipeline-layer-split auto) on make train's model, real compute, pp = 2",
