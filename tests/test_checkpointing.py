@@ -285,8 +285,8 @@ def test_sigterm_in_process_saves_at_iteration_end(tmp_path):
     original = training.train_step
     calls = []
 
-    def step_then_signal(tr):
-        res = original(tr)
+    def step_then_signal(tr, **kwargs):
+        res = original(tr, **kwargs)
         calls.append(tr.iteration)
         if tr.iteration == 2:
             os.kill(os.getpid(), signal.SIGTERM)

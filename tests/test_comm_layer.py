@@ -326,9 +326,9 @@ def _checked_run(rank: int, world_size: int, argv: list[str], sigterm_after: int
         state["entered"] = True
         return tr
 
-    def train_step(tr):
+    def train_step(tr, **kwargs):
         mode.tag = tr.iteration + 1
-        res = real_step(tr)
+        res = real_step(tr, **kwargs)
         state["steps"] += 1
         if tr.iteration == sigterm_after and rank == 0:
             os.kill(os.getpid(), signal.SIGTERM)

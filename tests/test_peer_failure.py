@@ -142,14 +142,14 @@ def _train_rank(rank: int, world_size: int, argv: list[str], sig: str, stamp: st
     if rank == VICTIM:
         real_step = training.train_step
 
-        def faulty_step(tr):
+        def faulty_step(tr, **kwargs):
             if tr.iteration == AT_ITERATION:
                 Path(stamp).write_text(repr(time.time()))
                 if sig == "STOP":  # a sleeper wakes it once the survivors are done (SIGCONT: harmless to a reused pid)
                     subprocess.Popen(["sh", "-c", f"sleep {TIMEOUT_S + 12:g}; kill -CONT {os.getpid()}"])
                 os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))
                 raise RuntimeError(f"rank {rank} continued after SIG{sig} (the survivors have reported by now)")
-            return real_step(tr)
+            return real_step(tr, **kwargs)
 
         training.train_step = faulty_step  # fault injection in this test process only
     err = io.StringIO()
