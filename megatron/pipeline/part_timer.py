@@ -28,13 +28,13 @@ profile's ``parts`` entry (``zb_pipeline.schedule.stage_planner.ModelCosts.from_
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from zb_pipeline import comm
+from zb_pipeline.runtime.profiler import clock_mark
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import ModelCosts
@@ -98,11 +98,7 @@ class PartTimer:
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        return clock_mark(self.cuda)
 
     def _record(self, part: str, kind: str, start: Any, end: Any) -> None:
         if self.cuda:

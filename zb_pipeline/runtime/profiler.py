@@ -34,7 +34,17 @@ from zb_pipeline.schedule.profile import STATISTICS, Profile
 if TYPE_CHECKING:
     from zb_pipeline.runtime.executor import PipelineExecutor
 
-__all__ = ["ActionProfiler"]
+__all__ = ["ActionProfiler", "clock_mark"]
+
+
+def clock_mark(cuda: bool) -> Any:
+    """A point in time for interval timing: a recorded CUDA event on the current stream (read with
+    ``start.elapsed_time(end)`` once synchronised), else ``time.perf_counter()`` seconds."""
+    if cuda:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
 
 
 class ActionProfiler:
@@ -135,11 +145,7 @@ class ActionProfiler:
 
     # -- timing -----------------------------------------------------------------------------------------------
     def _now(self) -> Any:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
+        return clock_mark(self.cuda)
 
     def _input_ready(self, a: Any) -> None:
         if self._in_action:
