@@ -310,7 +310,6 @@ def combine_parts(
         return getattr(an[part], field) * float(statistics.median(factors))
 
     w_stage = tuple(profile.w) if all(v is not None for v in profile.w) else None
-    mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * profile.num_stages
     parts: dict[str, dict[str, float]] = {}
     for part in PARTS:
         f = measured[part]["f"]
@@ -323,9 +322,8 @@ def combine_parts(
             "f": f,
             "b": b,
             "w": w,
-            "mem_f": max(share(part, "mem_f", tuple(profile.mem_f)), 0.0),
-            "mem_b": max(share(part, "mem_b", mem_b), 0.0),
         }
+    _memory(parts, profile, analytic, opts)
     options = _measured_options(analytic, parts["layer"])
     extra = [0.0] + [o.b_extra for o in options]  # what each option adds to a layer's B
 
@@ -346,6 +344,36 @@ def combine_parts(
     return out
 
 
+def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: ModelCosts, opts: list[int]) -> None:
+    """Each part's ``mem_f`` and ``mem_b`` from the stages' measured memory (in place; module docstring): the layer
+    and the embedding from the stages without the head (each stage's measured over analytic bytes under the choice
+    it ran, their median), the head the last stage's remainder; what waits for W after B (``mem_f + mem_b``, the
+    same under every choice) likewise."""
+    S, layers = profile.num_stages, profile.stage_layers
+    mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * S
+    held = [f + b for f, b in zip(profile.mem_f, mem_b)]  # what waits for W after B
+    a = analytic.layer
+    kept = [a.mem_f] + [o.mem_f for o in analytic.recompute]  # what F keeps of a layer under each choice
+    body = [s for s in range(S) if s < S - 1 and layers[s]] or [S - 1]  # stages whose memory is layers (+ tokens)
+
+    def analytic_total(s: int) -> float:
+        return layers[s] * kept[opts[s]] + (analytic.embedding.mem_f if s == 0 else 0.0)
+
+    factors = [profile.mem_f[s] / analytic_total(s) for s in body if analytic_total(s) > 0]
+    c = float(statistics.median(factors)) if factors else 1.0
+    emb_f = analytic.embedding.mem_f * c
+    layer_f = a.mem_f * c
+    per_layer = [(held[s] - (emb_f if s == 0 else 0.0)) / layers[s] for s in body if layers[s]]
+    layer_held = max(float(statistics.median(per_layer)), 0.0) if per_layer else layer_f
+    last = S - 1
+    rest_f = profile.mem_f[last] - layers[last] * kept[opts[last]] * c - (emb_f if last == 0 else 0.0)
+    rest_held = held[last] - layers[last] * layer_held - (emb_f if last == 0 else 0.0)
+    head_f = max(rest_f, 0.0)
+    parts["embedding"].update(mem_f=emb_f, mem_b=0.0)  # it keeps the token ids for its W
+    parts["layer"].update(mem_f=layer_f, mem_b=max(layer_held, 0.0) - layer_f)
+    parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
+
+
 def _measured_options(analytic: ModelCosts, layer: dict[str, float]) -> tuple[RecomputeOption, ...]:
     """``analytic``'s recompute options under the window's measured layer (module docstring): B re-runs the
     option's share of the measured layer forward; F keeps the option's analytic bytes times the layer's
@@ -353,7 +381,7 @@ def _measured_options(analytic: ModelCosts, layer: dict[str, float]) -> tuple[Re
     a = analytic.layer
     time_scale = layer["f"] / a.f if a.f > 0 else 1.0
     mem_scale = layer["mem_f"] / a.mem_f if a.mem_f > 0 else 1.0
-    held = max(layer["mem_f"], layer["mem_f"] + layer["mem_b"])
+    held = layer["mem_f"] + layer["mem_b"]  # what waits for W after B, whatever the choice
     out = []
     for o in analytic.recompute:
         keeps = o.mem_f * mem_scale
