@@ -168,19 +168,27 @@ def measured_layer_split(
         schedule=sched.name, num_ranks=sched.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
     plan = plan_stages(costs, mem_limit=mem_limit, **shape)
-    current = evaluate_split(costs, layout.layers_per_stage, recompute=recompute, **shape)[0]
+
+    def simulated(model: ModelCosts, layers: tuple[int, ...], choice: tuple[str, ...] | None) -> float | None:
+        """A candidate's iteration (zb-auto planned within the limit, as the planner did); None: it cannot."""
+        try:
+            return evaluate_split(model, layers, recompute=choice, mem_limit=mem_limit, **shape)[0]
+        except ValueError:
+            return None
+
+    current = simulated(costs, layout.layers_per_stage, recompute)
     # the prediction: the window's means (a sum of actions and gaps), where present; the medians plan
     means = profile.parts.get("predict") if isinstance(profile.parts, dict) else None
     predict = costs if means is None else ModelCosts.from_dict(means)
     even = even_split(costs.num_layers, sched.num_stages)
-    even_time = None if even is None else evaluate_split(predict, even, **shape)[0]
+    even_time = None if even is None else simulated(predict, even, None)
     none = (NO_RECOMPUTE,) * len(layout.layers_per_stage)
     return MeasuredSplit(
         plan=plan,
         current=layout.layers_per_stage,
-        current_iteration=current,
+        current_iteration=math.inf if current is None else current,
         mem_limit=mem_limit,
-        predicted=evaluate_split(predict, plan.layers, recompute=plan.recompute, **shape)[0],
+        predicted=simulated(predict, plan.layers, plan.recompute),
         even=even,
         even_iteration=even_time,
         step=predict.step,
@@ -219,12 +227,13 @@ class MeasuredSplit:
 
     def summary(self) -> str:
         """The one log line of the decision (``PREDICTION`` parses it back)."""
-        gain = self.plan.iteration / self.current_iteration - 1 if self.current_iteration > 0 else 0.0
         predicted = self.plan.iteration if self.predicted is None else self.predicted
-        text = (
-            f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
-            f"{predicted:.2f} ms, {gain:+.1%} against the current {list(self.current)}"
-        )
+        text = f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
+        text += f"{predicted:.2f} ms, "
+        if math.isfinite(self.current_iteration) and self.current_iteration > 0:
+            text += f"{self.plan.iteration / self.current_iteration - 1:+.1%} against the current {list(self.current)}"
+        else:
+            text += f"the current {list(self.current)} does not fit the memory limit"
         if self.even_iteration is not None:
             ratio = predicted / self.even_iteration
             text += f"; even split {list(self.even)}: {self.even_iteration:.2f} ms, chosen / even {ratio:.3f}"

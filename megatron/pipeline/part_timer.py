@@ -109,11 +109,18 @@ class PartTimer:
     def _begin_iteration(self, ex: Any) -> None:
         self.active = self.start_iter <= ex.iteration < self.end_iter
 
+    def _in_forward(self) -> bool:
+        """Inside an F action of the window (not B's recompute)."""
+        return self.active and not self._in_b  # outside the window: one attribute read
+
     def _timing_forward(self, module: Any) -> bool:
-        if not self.active or self._in_b or not torch.is_grad_enabled():  # outside the window: one attribute read
+        """Whether ``module``'s forward is timed as a part: with autograd on, and for a layer its stage not
+        recomputing whole layers (their F runs without autograd; the head is timed from the last one's end)."""
+        if not self._in_forward() or not torch.is_grad_enabled():
             return False
         stage = self._owner.get(id(module))
-        return not (stage is not None and stage.recompute_segments)
+        layer = stage is not None and module is not stage and module is not stage.embedding
+        return not (layer and stage.recompute_segments)
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
@@ -144,10 +151,10 @@ class PartTimer:
 
     def _layer_pre(self, i: int) -> Callable[[Any, Any], None]:
         def hook(module: Any, args: Any) -> None:
-            if not self._timing_forward(module):
+            if not self._in_forward():
                 return
             x = args[0]
-            if isinstance(x, torch.Tensor) and x.requires_grad:
+            if self._timing_forward(module) and isinstance(x, torch.Tensor) and x.requires_grad:
                 x.register_hook(self._mark(("in", i)))
             self._layer_start = self._now()
 
@@ -155,14 +162,15 @@ class PartTimer:
 
     def _layer_post(self, i: int, n: int) -> Callable[[Any, Any, Any], None]:
         def hook(module: Any, args: Any, out: Any) -> None:
-            if not self._timing_forward(module) or self._layer_start is None:
+            if not self._in_forward() or self._layer_start is None:
                 return
             end = self._now()
-            self._record("layer", "f", self._layer_start, end)
+            if self._timing_forward(module):
+                self._record("layer", "f", self._layer_start, end)
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(self._mark(("out", i)))
             self._layer_start = None
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(self._mark(("out", i)))
-            if i == n - 1:
+            if i == n - 1:  # the head starts here (also after a recomputed run of layers)
                 self._last_layer_end = end
 
         return hook
