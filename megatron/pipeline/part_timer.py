@@ -26,8 +26,11 @@ that recomputes anything (its B holds the recompute).  The window then gives one
 and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage the choice in force
 in the window; ``--recompute-granularity auto``), from the same measurements:
 
-- an option's extra B time is a forward of what it recomputes: the measured layer F times the option's share of the
-  analytic layer forward (full: all of it; selective: the core attention's FLOPs share);
+- an option's extra B time: where a stage ran it in the window, that stage's measured B beyond its parts' (the
+  layers' without recompute, the embedding's and the head's, whose B is taken in the analytic ratio to their
+  measured F when their stage's B was not timed), per layer; else a forward of what it recomputes, the measured
+  layer F times the option's share of the analytic layer forward (full: all of it; selective: the core attention's
+  FLOPs share);
 - what F keeps under each option: its analytic bytes times one calibration factor, the median over the stages of
   each stage's measured saved-tensor bytes over the analytic bytes *with the choice that stage ran* (so a window
   where some stages recompute calibrates the others' options too); after B the option holds what the layer without
@@ -321,7 +324,9 @@ def combine_parts(
     parts: dict[str, dict[str, float]] = {}
     for part in PARTS:
         f = measured[part]["f"]
-        b = measured[part].get("b", 0.0)
+        b = measured[part].get("b")
+        if b is None:  # B not timed (its stages recompute): the analytic ratio to the measured F
+            b = an[part].b * (f / an[part].f) if an[part].f > 0 else 0.0
         if w_stage is not None:
             w = share(part, "w", w_stage)
         else:  # fused BW only: W in the analytic ratio to the measured F
@@ -332,7 +337,8 @@ def combine_parts(
             "w": w,
         }
     _memory(parts, profile, analytic, opts)
-    options = _measured_options(analytic, parts["layer"])
+    ran = _measured_recompute(parts, profile, held, opts)
+    options = _measured_options(analytic, parts["layer"], ran)
     extra = [0.0] + [o.b_extra for o in options]  # what each option adds to a layer's B
 
     def cost(s: int, part: str, kind: str) -> float:
@@ -382,18 +388,39 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
     parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
 
 
-def _measured_options(analytic: ModelCosts, layer: dict[str, float]) -> tuple[RecomputeOption, ...]:
-    """``analytic``'s recompute options under the window's measured layer (module docstring): B re-runs the
-    option's share of the measured layer forward; F keeps the option's analytic bytes times the layer's
-    calibration factor (its measured over analytic ``mem_f``); after B the option holds what the layer holds."""
+def _measured_recompute(
+    parts: dict[str, dict[str, float]], profile: Profile, held: Callable[[int], dict[str, int]], opts: list[int]
+) -> dict[int, float]:
+    """What each recompute option that a stage ran in the window added to a layer's B, measured: the median over
+    those stages of their measured B beyond their parts' (the layers' without recompute, the embedding's and the
+    head's), per layer.  Empty without separate B times."""
+    if any(v is None for v in profile.b):
+        return {}
+    extra: dict[int, list[float]] = {}
+    for s, o in enumerate(opts):
+        n = held(s)["layer"]
+        if o and n:
+            beyond = float(profile.b[s]) - sum(k * parts[p]["b"] for p, k in held(s).items())
+            extra.setdefault(o, []).append(max(beyond, 0.0) / n)
+    return {o: float(statistics.median(v)) for o, v in extra.items()}
+
+
+def _measured_options(
+    analytic: ModelCosts, layer: dict[str, float], ran: dict[int, float]
+) -> tuple[RecomputeOption, ...]:
+    """``analytic``'s recompute options under the window's measured layer (module docstring): B re-runs what
+    the option recomputes -- measured where a stage ran it (``ran``: option index -> B time added per layer), else
+    its share of the measured layer forward; F keeps the option's analytic bytes times the layer's calibration
+    factor (its measured over analytic ``mem_f``); after B the option holds what the layer holds."""
     a = analytic.layer
     time_scale = layer["f"] / a.f if a.f > 0 else 1.0
     mem_scale = layer["mem_f"] / a.mem_f if a.mem_f > 0 else 1.0
     held = layer["mem_f"] + layer["mem_b"]  # what waits for W after B, whatever the choice
     out = []
-    for o in analytic.recompute:
+    for i, o in enumerate(analytic.recompute, start=1):
         keeps = o.mem_f * mem_scale
-        out.append(RecomputeOption(o.name, b_extra=o.b_extra * time_scale, mem_f=keeps, mem_b=held - keeps))
+        b_extra = ran.get(i, o.b_extra * time_scale)
+        out.append(RecomputeOption(o.name, b_extra=b_extra, mem_f=keeps, mem_b=held - keeps))
     return tuple(out)
 
 
