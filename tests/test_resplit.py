@@ -136,23 +136,32 @@ def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -
     assert "layers per stage: [1, 3] (auto)" in resumed["log"]
 
 
-def test_recompute_choice_changes_in_process_and_resumes(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "flags,world",
+    [
+        (["--pipeline-schedule", "zb-h1"], 2),
+        pytest.param(["--pipeline-schedule", "zb-h1", "--tensor-model-parallel-size", "2"], 4, marks=pytest.mark.slow),
+        pytest.param(["--enable-zero-bubble", "--use-distributed-optimizer", "--global-batch-size", "8"], 4,
+                     marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
+def test_recompute_choice_changes_in_process_and_resumes(tmp_path, flags: list[str], world: int) -> None:
     """--recompute-granularity auto: the run starts with the planner's [2, 2] and no recompute; before iteration 2
     a layer moves and the stages take another recompute choice (full on the first, selective on the second), in
     process.  The stages then recompute as chosen, the losses are those of a run that started with [1, 3] and that
     choice, to the bit, and the checkpoint written after the change records both: a resume takes them back and
-    continues bit for bit."""
-    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--recompute-granularity", "auto"]
+    continues bit for bit (make test-slow: tp = 2; zb-auto with the distributed optimizer over dp = 2)."""
+    argv = [*ARGV, *flags, *AUTO, "--recompute-granularity", "auto"]
     ckpt = str(tmp_path / "ckpt")
     chosen = ("full", "selective")
-    moved = _run([*argv, "--save", ckpt], 2, split=(1, 3), at=2, save=True, recompute=chosen)
+    moved = _run([*argv, "--save", ckpt], world, split=(1, 3), at=2, save=True, recompute=chosen)
     assert moved["before"] == (2, 2) and moved["after"] == (1, 3)
     assert moved["recompute"] == ((0, 1, "full"), (1, 4, "selective"))
     assert moved["recomputed"] == {0: (((0, 1),), [False]), 1: ((), [True, True, True])}
-    started = _run(argv, 2, start=((1, 3), chosen))
+    started = _run(argv, world, start=((1, 3), chosen))
     assert started["recomputed"] == moved["recomputed"]
     assert moved["losses"] == started["losses"], (moved, started)
-    resumed = run_multiprocess(_pretrain, 2, args=([*argv, "--load", ckpt],), timeout_s=240)[0]
+    resumed = run_multiprocess(_pretrain, world, args=([*argv, "--load", ckpt],), timeout_s=240)[0]
     assert resumed["losses"] == moved["losses"][3:]
     assert "layers per stage: [1, 3] (auto)" in resumed["log"]
     assert "activation recomputation: auto per stage: full, selective" in resumed["log"]
