@@ -463,8 +463,7 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
     )
     recompute = run.recompute
     if recompute.auto:  # --recompute-granularity auto: the planner's choice per virtual stage
-        chosen = zip(layout.layer_ranges, layout.split_plan.recompute, strict=True)
-        recompute = dataclasses.replace(recompute, stages=tuple((r.start, r.stop, c) for r, c in chosen))
+        recompute = recompute.planned(layout.layer_ranges, layout.split_plan.recompute)
     return dataclasses.replace(run, pipeline_layout=layout, recompute=recompute)
 
 

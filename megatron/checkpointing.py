@@ -118,7 +118,14 @@ def layout_of(tr: Trainer) -> dict[str, Any]:
         "use_distributed_optimizer": bool(tr.run.optimizer.use_distributed_optimizer),
         "precision": tr.run.precision.name,
         "layers_per_stage": _layers_per_stage(tr),
+        "recompute_per_stage": _recompute_per_stage(tr.run),
     }
+
+
+def _recompute_per_stage(run: RunConfig) -> list[str] | None:
+    """``--recompute-granularity auto``'s choice per virtual stage (None: not auto), which a resume takes back."""
+    layout = run.pipeline_layout
+    return None if layout is None or not run.recompute.auto else list(run.recompute.choices(layout.layer_ranges))
 
 
 def common_state(tr: Trainer, iteration: int) -> dict[str, Any]:
@@ -258,8 +265,9 @@ def _check_compatible(tr: Trainer, common: dict[str, Any], directory: Path) -> N
 
 def checkpoint_layer_split(run: RunConfig) -> RunConfig:
     """``--pipeline-layer-split auto`` with ``--load``: the run takes the layers per stage the checkpoint recorded
-    (a re-split at the end of a profiling window may have changed them), before any stage is built.  Every rank
-    reads the same file, so all agree without a collective."""
+    (a re-split at the end of a profiling window may have changed them) and, with ``--recompute-granularity auto``,
+    each stage's recompute choice, before any stage is built.  Every rank reads the same file, so all agree without
+    a collective."""
     layout = run.pipeline_layout
     if not run.checkpoint.load or layout is None or run.parallel.layer_split != "auto" or layout.split == "explicit":
         return run
@@ -269,9 +277,12 @@ def checkpoint_layer_split(run: RunConfig) -> RunConfig:
     saved = common.get("layout", {}).get("layers_per_stage")
     if saved is None or len(saved) != len(layout.layer_ranges) or sum(saved) != run.model.num_layers:
         return run  # another shape: _check_compatible names the problem at load
-    if tuple(saved) == layout.layers_per_stage:
-        return run
-    return dataclasses.replace(run, pipeline_layout=layout.with_split(saved, split="auto"))
+    if tuple(saved) != layout.layers_per_stage:
+        run = dataclasses.replace(run, pipeline_layout=layout.with_split(saved, split="auto"))
+    choices = common["layout"].get("recompute_per_stage")
+    if run.recompute.auto and choices is not None and len(choices) == len(saved):
+        run = dataclasses.replace(run, recompute=run.recompute.planned(run.pipeline_layout.layer_ranges, choices))
+    return run
 
 
 def load_checkpoint(tr: Trainer, *, log=None) -> bool:

@@ -384,8 +384,9 @@ def _parallel_flags(t: FlagTable) -> None:
         "--pipeline-memory-limit-gb",
         type=fl,
         default=None,
-        help="with --pipeline-layer-split auto: each rank's activation memory (GiB, analytic model) the planned split "
-        "and --recompute-granularity auto's choice must fit",
+        help="with --pipeline-layer-split auto: each rank's activation memory (GiB; the analytic model at start-up, "
+        "the measured memory at a profiling window's end) the planned split and --recompute-granularity auto's "
+        "choice must fit",
     )
     t.add(g, "--allow-padding-num-layers", switch=True, help="allow stages with fewer layers when they do not split")
     t.add(g, "--distributed-timeout-minutes", type=fl, default=10.0, help="timeout of every collective")

@@ -382,17 +382,23 @@ def _split_decision(tr: Trainer) -> MeasuredSplit | None:
     decision = getattr(tr.replanner, "agreed", None)
     if not isinstance(decision, MeasuredSplit) or not decision.changes:
         return None
-    return decision if tuple(decision.plan.layers) != tr.run.pipeline_layout.layers_per_stage else None
+    layout, recompute = tr.run.pipeline_layout, tr.run.recompute
+    if tuple(decision.plan.layers) != layout.layers_per_stage:
+        return decision
+    changes = recompute.auto and tuple(decision.plan.recompute) != recompute.choices(layout.layer_ranges)
+    return decision if changes else None
 
 
 def _resplit(tr: Trainer, decision: MeasuredSplit, logger: TrainingLogger) -> Trainer:
-    """Move the layers to ``decision``'s split at this iteration boundary (collective)."""
+    """Move the layers to ``decision``'s split, and under ``--recompute-granularity auto`` give the stages its
+    recompute choice, at this iteration boundary (collective)."""
     began, old = time.time(), tr.run.pipeline_layout.layers_per_stage
+    rec = tr.run.recompute.choices(tr.run.pipeline_layout.layer_ranges) if tr.run.recompute.auto else None
     new = resplit(tr, decision.plan.layers, decision=decision)
-    logger.print(
-        f"re-split after iteration {new.iteration}: layers per stage {list(old)} -> {list(decision.plan.layers)} "
-        f"({time.time() - began:.2f} s)"
-    )
+    what = f"layers per stage {list(old)} -> {list(decision.plan.layers)}"
+    if rec is not None:
+        what += f", recompute per stage {', '.join(rec)} -> {', '.join(decision.plan.recompute)}"
+    logger.print(f"re-split after iteration {new.iteration}: {what} ({time.time() - began:.2f} s)")
     return new
 
 

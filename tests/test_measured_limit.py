@@ -116,3 +116,18 @@ def test_the_smallest_limit_named_works() -> None:
     results = run_multiprocess(_main, 2, args=(argv,), timeout_s=120)
     assert [r[0] for r in results] == [0, 0], [r[1] for r in results]
     assert "replanned zb-h1" in results[0][2] and " iteration        3/" in results[0][2]
+
+
+def test_window_lets_stages_recompute_where_the_measured_memory_needs_it() -> None:
+    """The same limit with --recompute-granularity auto: the analytic model fits it without recompute ([2, 2], none),
+    the activations measured in the window do not; at the window's end every rank re-decides the split and each
+    stage's recompute from the window's measurements, applies them in process, and the run goes on (that the losses
+    then continue as a run started so: ``tests/test_resplit.py``)."""
+    got = run_multiprocess(_main, 2, args=([*ARGV, "--recompute-granularity", "auto"],), timeout_s=120)
+    assert [g[0] for g in got] == [0, 0], [g[1] for g in got]
+    out = got[0][2]
+    assert "activation recomputation: auto per stage: none, none" in out  # the start-up (analytic) choice
+    found = re.search(r"re-split after iteration 1: layers per stage \[2, 2\] -> \[(\d), (\d)\], recompute per stage "
+                      r"none, none -> (\w+), (\w+)", out)  # fmt: skip
+    assert found and {found[3], found[4]} != {"none"}, out
+    assert " iteration        3/" in out

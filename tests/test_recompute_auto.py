@@ -138,3 +138,125 @@ def test_named_smallest_limit_works() -> None:
     named = str(err.value).split("the smallest limit that works is ")[1].split(" GiB")[0]
     run = parse_run_config([*argv[:-1], named], world_size=WORLD)
     assert max(run.pipeline_layout.split_plan.peak_memory) <= float(named) * GIB
+
+
+# -- the profiling window's re-decision (megatron.pipeline.part_timer, layer_split.measured_layer_split) -----------
+KT, KM = 3.0, 1.25  # the "measured" costs: the analytic ones in ms (x KT per GFLOP) and bytes x KM
+
+
+def _true_costs(mc):
+    """The costs a window measures here: every analytic number scaled, times by ``KT`` and bytes by ``KM``."""
+    import dataclasses
+
+    from zb_pipeline.schedule.stage_planner import PartCosts, RecomputeOption
+
+    def part(q):
+        return PartCosts(f=q.f * KT, b=q.b * KT, w=q.w * KT, mem_f=q.mem_f * KM, mem_b=q.mem_b * KM)
+
+    rec = tuple(RecomputeOption(o.name, o.b_extra * KT, o.mem_f * KM, o.mem_b * KM) for o in mc.recompute)
+    return dataclasses.replace(
+        mc, layer=part(mc.layer), embedding=part(mc.embedding), head=part(mc.head), recompute=rec
+    )
+
+
+def _window_profile(true, layers: tuple[int, ...], choice: tuple[str, ...]):
+    """The stage profile and part samples of a window that ran ``layers`` with ``choice`` under ``true`` costs: each
+    stage's F, B, W and memory under its own choice; the part timer's samples (no layer B from a stage that
+    recomputes, nor its embedding's or head's; no layer F from a full-recompute stage)."""
+    from zb_pipeline.schedule.profile import Profile
+
+    names = true.option_names()
+    stage = true.stage_costs(layers, [names.index(c) for c in choice])
+    summaries = []
+    for s, c in enumerate(choice):
+        mine = {}
+        timed_b = c == "none"  # the part timer leaves out the B of a stage that recomputes
+        if s == 0:
+            mine["embedding"] = {"f": [true.embedding.f], **({"b": [true.embedding.b]} if timed_b else {})}
+        if s == len(layers) - 1:
+            mine["head"] = {"f": [true.head.f], **({"b": [true.head.b]} if timed_b else {})}
+        mine["layer"] = {}
+        if c != "full":
+            mine["layer"]["f"] = [true.layer.f] * layers[s]
+        if c == "none":
+            mine["layer"]["b"] = [true.layer.b] * layers[s]
+        summaries.append(mine)
+    profile = Profile(
+        num_ranks=len(layers), stage_to_rank=tuple(range(len(layers))), f=stage.f, b=stage.b, w=stage.w,
+        bw=(None,) * len(layers), comm=0.0, mem_f=stage.mem_f, mem_b=stage.mem_b, mem_w=stage.mem_w,
+        stage_layers=layers,
+    )  # fmt: skip
+    return summaries, profile
+
+
+@pytest.mark.parametrize("choice", [("full", "none"), ("none", "selective"), ("selective", "none"), ("none", "none")])
+def test_window_measures_every_option_whatever_the_stages_ran(choice) -> None:
+    """The window's model (``part_timer`` docstring): a recompute option's extra B is its share of the measured layer
+    forward and what F keeps is its analytic bytes times the layer's calibration factor, with each stage calibrated
+    under the choice it ran.  When the measured costs are the analytic ones scaled (times by KT, bytes by KM), the
+    parts and options derived from a window that ran ``choice`` are exactly those costs."""
+    import dataclasses
+
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.stage_planner import ModelCosts
+
+    mc = _costs()
+    true = _true_costs(mc)
+    summaries, profile = _window_profile(true, (3, 3), choice)
+    got = ModelCosts.from_dict(combine_parts(summaries, profile, mc, recompute=choice))
+    for name in ("layer", "embedding", "head"):
+        want, have = dataclasses.asdict(getattr(true, name)), dataclasses.asdict(getattr(got, name))
+        assert have == pytest.approx(want, rel=1e-9, abs=1e-9), name
+    assert len(got.recompute) == len(true.recompute)
+    for want, have in zip(true.recompute, got.recompute, strict=True):
+        assert have.name == want.name
+        assert (have.b_extra, have.mem_f, have.mem_b) == pytest.approx((want.b_extra, want.mem_f, want.mem_b), rel=1e-9)
+    # and the derived costs give back every measured stage under the choice it ran
+    names = got.option_names()
+    again = got.stage_costs((3, 3), [names.index(c) for c in choice])
+    assert again.f == pytest.approx(profile.f) and again.b == pytest.approx(profile.b)
+    assert again.mem_f == pytest.approx(profile.mem_f)
+
+
+def _window_limit(true, where: str) -> float:
+    even = true.stage_costs((L // 2, L // 2), (0, 0))
+    h1 = max(peak_memory(registry.generate("zb-h1", P, M, costs=even), even))
+    h2 = max(peak_memory(registry.generate("zb-h2", P, M, costs=even), even))
+    if where.startswith("between"):
+        return (h1 + h2) / 2
+    floor = smallest_mem_limit(true, schedule="zb-auto", num_ranks=P, num_microbatches=M)
+    assert floor < h1
+    return (floor + h1) / 2
+
+
+@pytest.mark.parametrize("where", ["between ZB-H1 and ZB-H2", "below ZB-H1"])
+def test_window_decision_is_the_fastest_candidate_within_the_limit(where) -> None:
+    """At the window's end the split and each stage's recompute are chosen jointly from the window's measurements
+    (the start-up run recomputed the first stage fully): the decision is the (split, choice) with the shortest
+    simulated iteration among those within the limit, by brute force over every candidate."""
+    import dataclasses
+
+    from megatron.pipeline.layer_split import measured_layer_split
+    from megatron.pipeline.part_timer import combine_parts
+
+    mc = _costs()
+    true = _true_costs(mc)
+    start = ("full", "none")
+    summaries, profile = _window_profile(true, (3, 3), start)
+    profile = dataclasses.replace(profile, parts=combine_parts(summaries, profile, mc, recompute=start))
+    limit = _window_limit(true, where)
+    run = parse_run_config([*ARGV, "--recompute-granularity", "auto"], world_size=WORLD)
+    layout = run.pipeline_layout.with_split((3, 3), split="auto")
+    decision = measured_layer_split(profile, layout, num_microbatches=M, mem_limit=limit, recompute=start)
+    fits = _brute_force(true, limit)
+    best = min(fits)
+    assert decision.plan.iteration == pytest.approx(best[0], rel=1e-9)
+    assert max(decision.plan.peak_memory) <= limit * (1 + 1e-9)
+    assert (tuple(decision.plan.layers), tuple(decision.plan.recompute)) in [
+        (f[1], f[2]) for f in fits if f[0] <= best[0] * (1 + 1e-9)
+    ]
+    assert decision.current_recompute == start
+    assert decision.changes == (tuple(decision.plan.layers) != (3, 3) or tuple(decision.plan.recompute) != start)
+    assert f"recompute per stage {', '.join(decision.plan.recompute)} (was full, none)" in decision.summary()
+    if where.startswith("below"):  # here the fastest way to fit recomputes some stages, not all
+        assert "none" in decision.plan.recompute and set(decision.plan.recompute) != {"none"}, decision.plan

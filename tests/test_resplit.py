@@ -18,9 +18,19 @@ ARGV = [
 AUTO = ["--pipeline-layer-split", "auto"]
 
 
-def _train(rank: int, world_size: int, argv: list[str], split: tuple[int, ...] | None, at: int, save: bool):
-    """``argv``'s run for its iterations, re-split to ``split`` before iteration ``at``; saved (``--save``) after
-    iteration ``at + 1`` if ``save``."""
+def _train(
+    rank: int,
+    world_size: int,
+    argv: list[str],
+    split: tuple[int, ...] | None,
+    at: int,
+    save: bool,
+    recompute: tuple[str, ...] | None = None,
+    start: tuple[tuple[int, ...], tuple[str, ...]] | None = None,
+):
+    """``argv``'s run for its iterations, re-split to ``split`` (with ``--recompute-granularity auto``: each stage's
+    ``recompute``) before iteration ``at``; saved (``--save``) after iteration ``at + 1`` if ``save``.  ``start``:
+    the run starts with these layers and recompute choice per stage instead of the start-up planner's."""
     from datetime import timedelta
 
     import torch
@@ -35,6 +45,13 @@ def _train(rank: int, world_size: int, argv: list[str], split: tuple[int, ...] |
 
     torch.set_num_threads(1)
     run = parse_run_config(argv, world_size=world_size)
+    if start is not None:  # a fresh run of the chosen configuration
+        import dataclasses
+
+        layout = run.pipeline_layout.with_split(start[0], split="auto")
+        run = dataclasses.replace(
+            run, pipeline_layout=layout, recompute=run.recompute.planned(layout.layer_ranges, start[1])
+        )
     ctx = ParallelContext.initialize(
         tp=run.parallel.tp_size, pp=run.parallel.pp_size, timeout=timedelta(seconds=60), **context_layout(run)
     )
@@ -46,14 +63,24 @@ def _train(rank: int, world_size: int, argv: list[str], split: tuple[int, ...] |
                 decision = _planned(tr)
                 tr = resplit(tr, decision.plan.layers, decision=decision)
             elif split is not None and tr.iteration == at:
-                tr = resplit(tr, split)
+                tr = resplit(tr, split, recompute=recompute)
             train_step(tr)
             if save and tr.iteration == at + 1:
                 settle_pending_step(tr)
                 save_checkpoint(tr)
         settle_pending_step(tr)
         settle_losses(tr)  # the losses' reductions are deferred until read (megatron.deferred_loss)
-        return {"losses": list(tr.losses), "before": before, "after": tr.run.pipeline_layout.layers_per_stage}
+        recomputed = {  # what each of this rank's stages recomputes: (whole-layer runs, core attention per layer)
+            s: (stage.recompute_segments, [layer.self_attention.recompute_core for layer in stage.layers])
+            for s, stage in tr.pipeline.stages.items()
+        }
+        return {
+            "losses": list(tr.losses),
+            "before": before,
+            "after": tr.run.pipeline_layout.layers_per_stage,
+            "recompute": tr.run.recompute.stages,
+            "recomputed": recomputed,
+        }
     finally:
         ctx.shutdown()
 
@@ -74,11 +101,11 @@ def _planned(tr):
     return measured_layer_split(profile, run.pipeline_layout, num_microbatches=run.num_microbatches)
 
 
-def _run(argv: list[str], world: int, split=None, at: int = 0, save: bool = False) -> dict:
-    results = run_multiprocess(_train, world, args=(argv, split, at, save), timeout_s=240)
+def _run(argv: list[str], world: int, split=None, at: int = 0, save: bool = False, recompute=None, start=None):
+    results = run_multiprocess(_train, world, args=(argv, split, at, save, recompute, start), timeout_s=240)
     for r in results[1:]:
         assert r["losses"] == results[0]["losses"]
-    return results[0]
+    return {**results[0], "recomputed": {s: v for r in results for s, v in r["recomputed"].items()}}
 
 
 @pytest.mark.parametrize(
@@ -107,6 +134,37 @@ def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -
     resumed = run_multiprocess(_pretrain, 2, args=([*argv, *AUTO, "--load", ckpt],), timeout_s=240)[0]
     assert resumed["losses"] == moved["losses"][3:]
     assert "layers per stage: [1, 3] (auto)" in resumed["log"]
+
+
+@pytest.mark.parametrize(
+    "flags,world",
+    [
+        (["--pipeline-schedule", "zb-h1"], 2),
+        pytest.param(["--pipeline-schedule", "zb-h1", "--tensor-model-parallel-size", "2"], 4, marks=pytest.mark.slow),
+        pytest.param(["--enable-zero-bubble", "--use-distributed-optimizer", "--global-batch-size", "8"], 4,
+                     marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
+def test_recompute_choice_changes_in_process_and_resumes(tmp_path, flags: list[str], world: int) -> None:
+    """--recompute-granularity auto: the run starts with the planner's [2, 2] and no recompute; before iteration 2
+    a layer moves and the stages take another recompute choice (full on the first, selective on the second), in
+    process.  The stages then recompute as chosen, the losses are those of a run that started with [1, 3] and that
+    choice, to the bit, and the checkpoint written after the change records both: a resume takes them back and
+    continues bit for bit (make test-slow: tp = 2; zb-auto with the distributed optimizer over dp = 2)."""
+    argv = [*ARGV, *flags, *AUTO, "--recompute-granularity", "auto"]
+    ckpt = str(tmp_path / "ckpt")
+    chosen = ("full", "selective")
+    moved = _run([*argv, "--save", ckpt], world, split=(1, 3), at=2, save=True, recompute=chosen)
+    assert moved["before"] == (2, 2) and moved["after"] == (1, 3)
+    assert moved["recompute"] == ((0, 1, "full"), (1, 4, "selective"))
+    assert moved["recomputed"] == {0: (((0, 1),), [False]), 1: ((), [True, True, True])}
+    started = _run(argv, world, start=((1, 3), chosen))
+    assert started["recomputed"] == moved["recomputed"]
+    assert moved["losses"] == started["losses"], (moved, started)
+    resumed = run_multiprocess(_pretrain, world, args=([*argv, "--load", ckpt],), timeout_s=240)[0]
+    assert resumed["losses"] == moved["losses"][3:]
+    assert "layers per stage: [1, 3] (auto)" in resumed["log"]
+    assert "activation recomputation: auto per stage: full, selective" in resumed["log"]
 
 
 @pytest.mark.slow

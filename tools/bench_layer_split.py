@@ -18,13 +18,14 @@ measured time per iteration outside the pipeline's actions).  Reported: measured
 even, measured over predicted auto iteration, and whether the losses of the two splits are identical.  Writes
 ``layer_split.md`` / ``.json``.
 
-``--recompute``, the recompute choice under a memory limit (zb-auto): ``--pipeline-memory-limit-gb X`` between
-ZB-H1's and ZB-H2's peaks (by default the midpoint of their peaks on the auto split without recompute, measured in
-a profiling window by one launch of each) for
-three cases, each with ``--pipeline-layer-split auto``: the planner's ``--recompute-granularity auto``; full
-recompute everywhere (``full``, ``uniform``, 1 layer); no recompute, where zb-auto plans within the same limit
-(the largest memory that fits).  Reported: each case's iteration and auto over the better of the other two.
-Writes ``layer_split_recompute.md`` / ``.json``.
+``--recompute``, the recompute choice under a memory limit (zb-auto): ``--pipeline-memory-limit-gb X`` (by default
+the midpoint of ZB-H1's and ZB-H2's peaks on the auto split without recompute, measured in a profiling window by one
+launch of each; the report says where ``--limit-gb`` lies against those peaks) for three cases, each with
+``--pipeline-layer-split auto``: the planner's ``--recompute-granularity auto``, whose split and per-stage choice the
+profiling window re-decides from measured costs; full recompute everywhere (``full``, ``uniform``, 1 layer); no
+recompute, where zb-auto plans within the same limit (the largest memory that fits).  Reported: each case's
+iteration, each launch's choice after the window, and auto over the better of the other two.  Writes
+``layer_split_recompute.md`` / ``.json``.
 """
 
 from __future__ import annotations
@@ -188,6 +189,10 @@ def split_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, list[st
     return {**result, "wall_s": time.time() - t0}, md
 
 
+# The window's decision: the split and, under --recompute-granularity auto, each stage's recompute.
+WINDOW_CHOICE = re.compile(
+    r"(?<=layer split from measured per-part costs: )\[[\d, ]+\](?=.*?recompute per stage ([\w, ]+) \()?"
+)
 REPLANNED = re.compile(r"replanned \S+ .*?peak activation memory per rank \[([0-9., ]+)\] MiB")
 
 
@@ -219,10 +224,20 @@ def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, lis
     def ratio(a: list, f: list, n: list) -> float:
         return pooled_median(a) / min(pooled_median(f), pooled_median(n))
 
+    where = "below ZB-H1's" if limit < h1 else "above ZB-H2's" if limit > h2 else "between ZB-H1's and ZB-H2's"
+
+    def after_window(r: dict) -> str:
+        found = WINDOW_CHOICE.search(r["stdout"])
+        if found is None:
+            return "kept (no decision logged)"
+        return found.group(0) + (f" {found.group(1).replace(', ', '/')}" if found.group(1) else "")
+
     result = {
         "mode": "recompute",
         "schedule": "zb-auto",
         "limit_gb": limit,
+        "limit_against_peaks": where,
+        "after_window": {k: [after_window(r) for r in rs] for k, rs in runs.items()},
         "measured_peaks_gb": peaks,
         "median_ms": med,
         "better_of_others": better,
@@ -236,16 +251,21 @@ def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, lis
         "# Recompute choice under a memory limit (`--recompute-granularity auto`)",
         "",
         f"make train's model through `pretrain_gpt.py`, pp = 2 (CPU, gloo, 1 thread per rank), zb-auto, m = 4 "
-        f"microbatches of 2, `--pipeline-memory-limit-gb {limit:g}` with `--pipeline-layer-split auto` (between "
-        f"the peaks of ZB-H1, {h1:.5f} GiB, and ZB-H2, {h2:.5f} GiB, on the auto split without recompute under the "
-        f"activation memory measured in a profiling window; the start-up plan follows the analytic model, the "
-        f"window re-plans zb-auto within the limit under the measured memory); "
+        f"microbatches of 2, `--pipeline-memory-limit-gb {limit:g}` with `--pipeline-layer-split auto` ({where} "
+        f"peak: ZB-H1's is {h1:.5f} GiB, ZB-H2's {h2:.5f} GiB, on the auto split without recompute under the "
+        f"activation memory measured in a profiling window).  The start-up plan follows the analytic model; at the "
+        f"end of the profiling window (iterations {WINDOW[0]}-{WINDOW[1] - 1}) the split -- and for auto each "
+        f"stage's recompute -- is re-decided from the measured costs and zb-auto re-planned within the limit.  "
         f"{args.rounds} alternated launches per case, {args.iters} iterations each, iterations {args.skip + 1}-"
         f"{args.iters} kept.",
         "",
-        "| case | layers and recompute chosen | median iteration (ms) |",
-        "|---|---|---|",
-        *(f"| {k} | {'; '.join(x for x in result['choices'][k] if x)} | {med[k]:.1f} |" for k in RECOMPUTE),
+        "| case | at start-up (analytic model) | after the window, per launch | median iteration (ms) |",
+        "|---|---|---|---|",
+        *(
+            f"| {k} | {'; '.join(x for x in result['choices'][k] if x)} | "
+            f"{', '.join(f'{c} ({n})' for c, n in Counter(result['after_window'][k]).most_common())} | {med[k]:.1f} |"
+            for k in RECOMPUTE
+        ),
         "",
         f"- auto over the better of full and none ({better}): **{result['ratio_auto_over_better']:.3f}** "
         f"(95% bootstrap over launches [{lo:.3f}, {hi:.3f}])",

@@ -18,7 +18,8 @@ against the stages' layer counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,21 @@ class RecomputeConfig:
             f"--recompute-granularity auto has no choice for layers [{layer_range.start}, {layer_range.stop}) "
             f"(planned stages: {[(a, b) for a, b, _ in self.stages]})"
         )
+
+    def planned(self, layer_ranges: Sequence[range], choices: Sequence[str]) -> RecomputeConfig:
+        """``--recompute-granularity auto`` with the planner's ``choices``, one per virtual stage of ``layer_ranges``
+        (the one place ``stages`` is written: at start-up, at a re-decision in the profiling window, at a resume)."""
+        return dataclasses.replace(
+            self, stages=tuple((r.start, r.stop, str(c)) for r, c in zip(layer_ranges, choices, strict=True))
+        )
+
+    def choices(self, layer_ranges: Sequence[range]) -> tuple[str, ...]:
+        """The auto choice of each virtual stage of ``layer_ranges`` (``ValueError`` if one was not planned)."""
+        out = []
+        for r in layer_ranges:
+            mine = self.for_stage(r)
+            out.append("full" if mine.full else "selective" if mine.selective else "none")
+        return tuple(out)
 
     def summary(self) -> dict[str, str]:
         """The start-up summary's line (none when recomputation is off)."""

@@ -27,6 +27,7 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.memory import schedule_mem_limit
 from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import (
+    NO_RECOMPUTE,
     ModelCosts,
     PlannerError,
     RecomputeOption,
@@ -148,41 +149,58 @@ def wants_auto_split(layout: PipelineLayout | None, parallel: ParallelConfig, vi
 
 
 def measured_layer_split(
-    profile: Profile, layout: PipelineLayout, *, num_microbatches: int, mem_limit: float | None = None
+    profile: Profile,
+    layout: PipelineLayout,
+    *,
+    num_microbatches: int,
+    mem_limit: float | None = None,
+    recompute: tuple[str, ...] | None = None,
 ) -> MeasuredSplit:
-    """The stage planner's split under ``profile``'s per-part costs (its ``parts`` entry), for the run's schedule
-    and shape within ``mem_limit`` (bytes per rank, the window's), beside the current split's simulated iteration
-    under the same costs.  Deterministic in ``profile``: every rank that holds the agreed profile gets the same
-    answer.  ``ValueError`` when no split fits the limit."""
+    """The stage planner's split -- and, when ``profile``'s parts carry recompute options (``--recompute-granularity
+    auto``), each stage's recompute choice -- under ``profile``'s per-part costs (its ``parts`` entry), for the
+    run's schedule and shape within ``mem_limit`` (bytes per rank, the window's), beside the current split's
+    simulated iteration under the same costs.  ``recompute``: the current choice per virtual stage (None: none).
+    Deterministic in ``profile``: every rank that holds the agreed profile gets the same answer.  ``ValueError``
+    when no candidate fits the limit."""
     costs = profile.model_costs()
     sched = layout.schedule
     shape = dict(
         schedule=sched.name, num_ranks=sched.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
     plan = plan_stages(costs, mem_limit=mem_limit, **shape)
-    current = evaluate_split(costs, layout.layers_per_stage, **shape)[0]
+
+    def simulated(model: ModelCosts, layers: tuple[int, ...], choice: tuple[str, ...] | None) -> float | None:
+        """A candidate's iteration (zb-auto planned within the limit, as the planner did); None: it cannot."""
+        try:
+            return evaluate_split(model, layers, recompute=choice, mem_limit=mem_limit, **shape)[0]
+        except ValueError:
+            return None
+
+    current = simulated(costs, layout.layers_per_stage, recompute)
     # the prediction: the window's means (a sum of actions and gaps), where present; the medians plan
     means = profile.parts.get("predict") if isinstance(profile.parts, dict) else None
     predict = costs if means is None else ModelCosts.from_dict(means)
     even = even_split(costs.num_layers, sched.num_stages)
-    even_time = None if even is None else evaluate_split(predict, even, **shape)[0]
+    even_time = None if even is None else simulated(predict, even, None)
+    none = (NO_RECOMPUTE,) * len(layout.layers_per_stage)
     return MeasuredSplit(
         plan=plan,
         current=layout.layers_per_stage,
-        current_iteration=current,
+        current_iteration=math.inf if current is None else current,
         mem_limit=mem_limit,
-        predicted=evaluate_split(predict, plan.layers, **shape)[0],
+        predicted=simulated(predict, plan.layers, plan.recompute),
         even=even,
         even_iteration=even_time,
         step=predict.step,
+        current_recompute=none if recompute is None else tuple(recompute),
     )
 
 
 @dataclass(frozen=True)
 class MeasuredSplit:
-    """The split re-decided from measured costs at the end of the profiling window, with the predicted iteration
-    (simulated under the measured costs plus the measured time per iteration outside the pipeline's actions) of
-    the chosen, the current and the even split."""
+    """The split (and recompute choice) re-decided from measured costs at the end of the profiling window, with the
+    predicted iteration (simulated under the measured costs plus the measured time per iteration outside the
+    pipeline's actions) of the chosen, the current and the even split."""
 
     plan: StagePlan
     current: tuple[int, ...]
@@ -192,25 +210,40 @@ class MeasuredSplit:
     even: tuple[int, ...] | None = None  # the even split (None: the layers do not divide evenly)
     even_iteration: float | None = None  # its predicted iteration (ms)
     step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
+    current_recompute: tuple[str, ...] | None = None  # the recompute choice per virtual stage in force (None: none)
+
+    @property
+    def moves_layers(self) -> bool:
+        return tuple(self.plan.layers) != tuple(self.current)
+
+    @property
+    def recompute_changes(self) -> bool:
+        current = self.current_recompute or (NO_RECOMPUTE,) * len(self.current)
+        return tuple(self.plan.recompute) != tuple(current)
 
     @property
     def changes(self) -> bool:
-        return tuple(self.plan.layers) != tuple(self.current)
+        return self.moves_layers or self.recompute_changes
 
     def summary(self) -> str:
         """The one log line of the decision (``PREDICTION`` parses it back)."""
-        gain = self.plan.iteration / self.current_iteration - 1 if self.current_iteration > 0 else 0.0
         predicted = self.plan.iteration if self.predicted is None else self.predicted
-        text = (
-            f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
-            f"{predicted:.2f} ms, {gain:+.1%} against the current {list(self.current)}"
-        )
+        text = f"layer split from measured per-part costs: {list(self.plan.layers)} (predicted iteration "
+        text += f"{predicted:.2f} ms, "
+        if math.isfinite(self.current_iteration) and self.current_iteration > 0:
+            text += f"{self.plan.iteration / self.current_iteration - 1:+.1%} against the current {list(self.current)}"
+        else:
+            text += f"the current {list(self.current)} does not fit the memory limit"
         if self.even_iteration is not None:
             ratio = predicted / self.even_iteration
             text += f"; even split {list(self.even)}: {self.even_iteration:.2f} ms, chosen / even {ratio:.3f}"
         text += f"; {self.step:.2f} ms per iteration outside the pipeline's actions)"
-        if self.changes:
+        if self.current_recompute is not None:
+            text += f"; recompute per stage {', '.join(self.plan.recompute)} (was {', '.join(self.current_recompute)})"
+        if self.moves_layers:
             text += "; moving the layers at this iteration boundary"
+        elif self.recompute_changes:
+            text += "; changing the recompute at this iteration boundary"
         return text
 
 

@@ -20,15 +20,33 @@ times them inside the profiling window through declared hooks only:
 - the time per iteration outside the actions (the profile's ``boundary``: the optimizer step and the
   iteration-boundary work) as the model's ``step``, which the planner adds to every candidate's iteration.
 
-Stages that recompute (``recompute_segments``) are left out of the part times (their layers' outputs are rebuilt at
-B, so the hooks registered at F never fire).  ``gather`` is collective over the pipeline group and returns the
-profile's ``parts`` entry (``zb_pipeline.schedule.stage_planner.ModelCosts.from_dict``).
+Stages that recompute are left out of the part times they would distort: a full-recompute stage's F (its layers run
+without autograd; their outputs are rebuilt at B, so the hooks registered at F never fire) and the B of every stage
+that recomputes anything (its B holds the recompute).  The window then gives one layer's costs *without* recompute
+and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage the choice in force
+in the window; ``--recompute-granularity auto``), from the same measurements:
+
+- an option's extra B time: where a stage ran it in the window, that stage's measured B beyond its parts' (the
+  layers' without recompute, the embedding's and the head's, whose B is taken in the analytic ratio to their
+  measured F when their stage's B was not timed), per layer; else a forward of what it recomputes, the measured
+  layer F times the option's share of the analytic layer forward (full: all of it; selective: the core attention's
+  FLOPs share);
+- what F keeps under each option: its analytic bytes times one calibration factor, the median over the stages of
+  each stage's measured saved-tensor bytes over the analytic bytes *with the choice that stage ran* (so a window
+  where some stages recompute calibrates the others' options too); after B the option holds what the layer without
+  recompute holds (the deferred W's operands), so its ``mem_b`` is the layer's ``mem_f + mem_b`` minus its ``mem_f``;
+- the stage totals the remainders are calibrated against (``_calibrate``) count each stage's layers with its own
+  choice, so the parts add up to every measured stage under the choice it ran.
+
+``gather`` is collective over the pipeline group and returns the profile's ``parts`` entry
+(``zb_pipeline.schedule.stage_planner.ModelCosts.from_dict``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,16 +55,20 @@ from zb_pipeline import comm
 from zb_pipeline.runtime.profiler import clock_mark
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.profile import Profile
-from zb_pipeline.schedule.stage_planner import ModelCosts
+from zb_pipeline.schedule.stage_planner import ModelCosts, RecomputeOption
 
 PARTS = ("embedding", "layer", "head")
 
 
 class PartTimer:
-    """Times the parts of this rank's ``GPTStage`` s in iterations ``[start_iter, end_iter)`` of ``runtime``."""
+    """Times the parts of this rank's ``GPTStage`` s in iterations ``[start_iter, end_iter)`` of ``runtime``.
+    ``layers_without_recompute``: leave out the B of every stage that recomputes anything (the window measures a
+    layer without recompute and the options apart, ``--recompute-granularity auto``); else only full recompute's
+    stages are left out and a layer's B is measured with the recompute in force."""
 
-    def __init__(self, runtime: Any, *, start_iter: int, end_iter: int) -> None:
+    def __init__(self, runtime: Any, *, start_iter: int, end_iter: int, layers_without_recompute: bool = False) -> None:
         self.runtime, self.start_iter, self.end_iter = runtime, start_iter, end_iter
+        self.layers_without_recompute = layers_without_recompute
         self.stages: dict[int, Any] = dict(runtime.stages)
         self.cuda = any(p.is_cuda for m in self.stages.values() for p in m.parameters())
         self.active = False
@@ -58,7 +80,7 @@ class PartTimer:
         self._last_layer_end: Any = None
         self._emb_start: Any = None
         self._handles: list[Any] = []
-        self._owner = {  # id(module) -> its stage: F is timed unless the stage recomputes
+        self._owner = {  # id(module) -> its stage: F is timed unless the stage recomputes whole layers
             id(m): stage
             for stage in self.stages.values()
             for m in (stage, stage.embedding, *stage.layers)
@@ -90,11 +112,18 @@ class PartTimer:
     def _begin_iteration(self, ex: Any) -> None:
         self.active = self.start_iter <= ex.iteration < self.end_iter
 
+    def _in_forward(self) -> bool:
+        """Inside an F action of the window (not B's recompute)."""
+        return self.active and not self._in_b  # outside the window: one attribute read
+
     def _timing_forward(self, module: Any) -> bool:
-        if not self.active or self._in_b or not torch.is_grad_enabled():  # outside the window: one attribute read
+        """Whether ``module``'s forward is timed as a part: with autograd on, and for a layer its stage not
+        recomputing whole layers (their F runs without autograd; the head is timed from the last one's end)."""
+        if not self._in_forward() or not torch.is_grad_enabled():
             return False
         stage = self._owner.get(id(module))
-        return not (stage is not None and stage.recompute_segments)
+        layer = stage is not None and module is not stage and module is not stage.embedding
+        return not (layer and stage.recompute_segments)
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
@@ -125,10 +154,10 @@ class PartTimer:
 
     def _layer_pre(self, i: int) -> Callable[[Any, Any], None]:
         def hook(module: Any, args: Any) -> None:
-            if not self._timing_forward(module):
+            if not self._in_forward():
                 return
             x = args[0]
-            if isinstance(x, torch.Tensor) and x.requires_grad:
+            if self._timing_forward(module) and isinstance(x, torch.Tensor) and x.requires_grad:
                 x.register_hook(self._mark(("in", i)))
             self._layer_start = self._now()
 
@@ -136,14 +165,15 @@ class PartTimer:
 
     def _layer_post(self, i: int, n: int) -> Callable[[Any, Any, Any], None]:
         def hook(module: Any, args: Any, out: Any) -> None:
-            if not self._timing_forward(module) or self._layer_start is None:
+            if not self._in_forward() or self._layer_start is None:
                 return
             end = self._now()
-            self._record("layer", "f", self._layer_start, end)
+            if self._timing_forward(module):
+                self._record("layer", "f", self._layer_start, end)
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(self._mark(("out", i)))
             self._layer_start = None
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(self._mark(("out", i)))
-            if i == n - 1:
+            if i == n - 1:  # the head starts here (also after a recomputed run of layers)
                 self._last_layer_end = end
 
         return hook
@@ -161,6 +191,8 @@ class PartTimer:
         def handler(ex: Any, a: Any) -> Any:
             module = self.stages.get(a.stage)
             if not self.active or module is None or module.recompute_segments:
+                return inner(ex, a)
+            if self.layers_without_recompute and recomputes(module):  # its B holds the recompute
                 return inner(ex, a)
             self._in_b, self._marks = True, {}
             try:
@@ -198,22 +230,36 @@ class PartTimer:
         return out
 
     def gather(
-        self, profile: Profile, analytic: ModelCosts, *, group: Any = None, predict: Profile | None = None
+        self,
+        profile: Profile,
+        analytic: ModelCosts,
+        *,
+        group: Any = None,
+        predict: Profile | None = None,
+        recompute: Sequence[str] = (),
     ) -> dict[str, Any]:
         """The profile's ``parts`` entry (collective over ``group``, the pipeline group): each part's measured F
         and B, W and memory from ``profile``'s stages shared in ``analytic``'s proportions.  ``predict``: the same
         window's profile of means; its parts (every sample's mean, ``"predict"`` in the entry) predict an
-        iteration, a sum of actions and gaps, where the medians plan (``profile_gather.gather``)."""
+        iteration, a sum of actions and gaps, where the medians plan (``profile_gather.gather``).  ``recompute``:
+        each virtual stage's choice in the window (``combine_parts``)."""
         local = self.local_summary()
         if comm.is_initialized():
             every: list[Any] = [None] * comm.world_size(group)
             comm.all_gather_object(every, local, group=group)
         else:
             every = [local]
-        out = combine_parts(every, profile, analytic)
+        out = combine_parts(every, profile, analytic, recompute=recompute)
         if predict is not None:
-            out["predict"] = combine_parts(every, predict, analytic, statistic="mean")
+            out["predict"] = combine_parts(every, predict, analytic, statistic="mean", recompute=recompute)
         return out
+
+
+def recomputes(stage: Any) -> bool:
+    """Whether a ``GPTStage`` recomputes anything at B (whole layers, or its layers' core attention)."""
+    if stage.recompute_segments:
+        return True
+    return any(getattr(getattr(layer, "self_attention", None), "recompute_core", False) for layer in stage.layers)
 
 
 def combine_parts(
@@ -222,13 +268,16 @@ def combine_parts(
     analytic: ModelCosts,
     *,
     statistic: str = "median",
+    recompute: Sequence[str] = (),
 ) -> dict:
     """Every rank's ``local_summary`` and the stage profile into a ``parts`` entry (see the module docstring).
 
     Each part's F and B are the median (``statistic``: or the mean) of every rank's samples of it (a layer's: of
     all layers, which are alike).
     A stage's measured W (or, without one, its F) and memory scale the analytic parts it holds; each stage's
-    remainder is calibrated in (``_calibrate``).
+    remainder is calibrated in (``_calibrate``).  ``recompute``: each virtual stage's choice in the window (names
+    of ``analytic.option_names()``; () = none everywhere); with options in ``analytic`` the entry gets them,
+    measured (``_measured_options``).
     """
     measured: dict[str, dict[str, float]] = {}
     for part in PARTS:
@@ -243,6 +292,13 @@ def combine_parts(
     layers = profile.stage_layers
     if len(layers) != profile.num_stages:
         raise ValueError("per-part costs need the profile's stage_layers (layers per virtual stage)")
+    names = analytic.option_names()
+    unknown = [c for c in recompute if c not in names]
+    if unknown or (recompute and len(recompute) != profile.num_stages):
+        raise ValueError(f"recompute choices {list(recompute)} are not one of {list(names)} per virtual stage")
+    opts = [names.index(c) for c in recompute] if recompute else [0] * profile.num_stages
+    if analytic.recompute and "b" not in measured["layer"]:
+        raise ValueError("the profiling window timed no layer backward without recompute (every stage recomputes)")
     last = profile.num_stages - 1
     an = {"embedding": analytic.embedding, "layer": analytic.layer, "head": analytic.head}
 
@@ -250,8 +306,9 @@ def combine_parts(
         return {"embedding": int(s == 0), "layer": layers[s], "head": int(s == last)}
 
     def scale(s: int, field: str, measured_total: float | None) -> float | None:
-        """measured / analytic total of ``field`` on stage ``s``."""
-        total = sum(n * getattr(an[p], field) for p, n in held(s).items())
+        """measured / analytic total of ``field`` on stage ``s``, its layers under the choice it ran."""
+        q = analytic.stage_part(layers[s], opts[s], first=s == 0, last=s == last)
+        total = getattr(q, field)
         if measured_total is None or total <= 0:
             return None
         return measured_total / total
@@ -264,11 +321,12 @@ def combine_parts(
         return getattr(an[part], field) * float(statistics.median(factors))
 
     w_stage = tuple(profile.w) if all(v is not None for v in profile.w) else None
-    mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * profile.num_stages
     parts: dict[str, dict[str, float]] = {}
     for part in PARTS:
         f = measured[part]["f"]
-        b = measured[part].get("b", 0.0)
+        b = measured[part].get("b")
+        if b is None:  # B not timed (its stages recompute): the analytic ratio to the measured F
+            b = an[part].b * (f / an[part].f) if an[part].f > 0 else 0.0
         if w_stage is not None:
             w = share(part, "w", w_stage)
         else:  # fused BW only: W in the analytic ratio to the measured F
@@ -277,10 +335,16 @@ def combine_parts(
             "f": f,
             "b": b,
             "w": w,
-            "mem_f": max(share(part, "mem_f", tuple(profile.mem_f)), 0.0),
-            "mem_b": max(share(part, "mem_b", mem_b), 0.0),
         }
-    overhead = _calibrate(parts, profile, held)
+    _memory(parts, profile, analytic, opts)
+    ran = _measured_recompute(parts, profile, held, opts)
+    options = _measured_options(analytic, parts["layer"], ran)
+    extra = [0.0] + [o.b_extra for o in options]  # what each option adds to a layer's B
+
+    def cost(s: int, part: str, kind: str) -> float:
+        return parts[part][kind] + (extra[opts[s]] if part == "layer" and kind == "b" else 0.0)
+
+    overhead = _calibrate(parts, profile, held, cost)
     out: dict[str, Any] = {
         "num_layers": analytic.num_layers,
         "comm": float(profile.comm or 0.0),
@@ -289,14 +353,86 @@ def combine_parts(
     }
     for part, q in parts.items():
         out[part] = {**q, "f": max(q["f"], 1e-6), "b": max(q["b"], 0.0), "w": max(q["w"], 0.0)}
+    if options:
+        out["recompute"] = [dataclasses.asdict(o) for o in options]
     return out
 
 
+def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: ModelCosts, opts: list[int]) -> None:
+    """Each part's ``mem_f`` and ``mem_b`` from the stages' measured memory (in place; module docstring): the layer
+    and the embedding from the stages without the head (each stage's measured over analytic bytes under the choice
+    it ran, their median), the head the last stage's remainder; what waits for W after B (``mem_f + mem_b``, the
+    same under every choice) likewise."""
+    S, layers = profile.num_stages, profile.stage_layers
+    mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * S
+    held = [f + b for f, b in zip(profile.mem_f, mem_b)]  # what waits for W after B
+    a = analytic.layer
+    kept = [a.mem_f] + [o.mem_f for o in analytic.recompute]  # what F keeps of a layer under each choice
+    body = [s for s in range(S) if s < S - 1 and layers[s]] or [S - 1]  # stages whose memory is layers (+ tokens)
+
+    def analytic_total(s: int) -> float:
+        return layers[s] * kept[opts[s]] + (analytic.embedding.mem_f if s == 0 else 0.0)
+
+    factors = [profile.mem_f[s] / analytic_total(s) for s in body if analytic_total(s) > 0]
+    c = float(statistics.median(factors)) if factors else 1.0
+    emb_f = analytic.embedding.mem_f * c
+    layer_f = a.mem_f * c
+    per_layer = [(held[s] - (emb_f if s == 0 else 0.0)) / layers[s] for s in body if layers[s]]
+    layer_held = max(float(statistics.median(per_layer)), 0.0) if per_layer else layer_f
+    last = S - 1
+    rest_f = profile.mem_f[last] - layers[last] * kept[opts[last]] * c - (emb_f if last == 0 else 0.0)
+    rest_held = held[last] - layers[last] * layer_held - (emb_f if last == 0 else 0.0)
+    head_f = max(rest_f, 0.0)
+    parts["embedding"].update(mem_f=emb_f, mem_b=0.0)  # it keeps the token ids for its W
+    parts["layer"].update(mem_f=layer_f, mem_b=max(layer_held, 0.0) - layer_f)
+    parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
+
+
+def _measured_recompute(
+    parts: dict[str, dict[str, float]], profile: Profile, held: Callable[[int], dict[str, int]], opts: list[int]
+) -> dict[int, float]:
+    """What each recompute option that a stage ran in the window added to a layer's B, measured: the median over
+    those stages of their measured B beyond their parts' (the layers' without recompute, the embedding's and the
+    head's), per layer.  Empty without separate B times."""
+    if any(v is None for v in profile.b):
+        return {}
+    extra: dict[int, list[float]] = {}
+    for s, o in enumerate(opts):
+        n = held(s)["layer"]
+        if o and n:
+            beyond = float(profile.b[s]) - sum(k * parts[p]["b"] for p, k in held(s).items())
+            extra.setdefault(o, []).append(max(beyond, 0.0) / n)
+    return {o: float(statistics.median(v)) for o, v in extra.items()}
+
+
+def _measured_options(
+    analytic: ModelCosts, layer: dict[str, float], ran: dict[int, float]
+) -> tuple[RecomputeOption, ...]:
+    """``analytic``'s recompute options under the window's measured layer (module docstring): B re-runs what
+    the option recomputes -- measured where a stage ran it (``ran``: option index -> B time added per layer), else
+    its share of the measured layer forward; F keeps the option's analytic bytes times the layer's calibration
+    factor (its measured over analytic ``mem_f``); after B the option holds what the layer holds."""
+    a = analytic.layer
+    time_scale = layer["f"] / a.f if a.f > 0 else 1.0
+    mem_scale = layer["mem_f"] / a.mem_f if a.mem_f > 0 else 1.0
+    held = layer["mem_f"] + layer["mem_b"]  # what waits for W after B, whatever the choice
+    out = []
+    for i, o in enumerate(analytic.recompute, start=1):
+        keeps = o.mem_f * mem_scale
+        b_extra = ran.get(i, o.b_extra * time_scale)
+        out.append(RecomputeOption(o.name, b_extra=b_extra, mem_f=keeps, mem_b=held - keeps))
+    return tuple(out)
+
+
 def _calibrate(
-    parts: dict[str, dict[str, float]], profile: Profile, held: Callable[[int], dict[str, int]]
+    parts: dict[str, dict[str, float]],
+    profile: Profile,
+    held: Callable[[int], dict[str, int]],
+    cost: Callable[[int, str, str], float],
 ) -> dict[str, float]:
     """Make the parts add up to each measured stage (see the module docstring): returns the per-action overhead
-    and moves the first and the last stage's remainder into ``parts``' embedding and head (in place)."""
+    and moves the first and the last stage's remainder into ``parts``' embedding and head (in place).  ``cost(s,
+    part, kind)``: the part's time on stage ``s`` under the recompute choice it ran."""
     S = profile.num_stages
     measured = {"f": profile.f, "b": profile.b, "w": profile.w}
     gap = float(profile.overhead)
@@ -307,7 +443,7 @@ def _calibrate(
             continue
 
         def rest(s: int, kind: str = kind, per_stage: tuple = per_stage) -> float:
-            return float(per_stage[s]) - sum(n * parts[p][kind] for p, n in held(s).items())
+            return float(per_stage[s]) - sum(n * cost(s, p, kind) for p, n in held(s).items())
 
         middle = [rest(s) for s in range(S) if not held(s)["embedding"] and not held(s)["head"]]
         every = max(0.0, statistics.median(middle)) if middle else 0.0

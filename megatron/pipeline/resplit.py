@@ -13,6 +13,8 @@ objects for the new split through the same set-up code the run started with (``m
    data-parallel reducer's buckets, the optimizer (re-sharded over dp for the distributed optimizer), the pipeline
    runtime (a fresh weight-gradient store) and the post-validation chain; ``RunConfig.pipeline_layout`` carries the
    new split, so a checkpoint written afterwards records it;
+   under ``--recompute-granularity auto`` the new stages take the planner's recompute choice (``apply_recompute``
+   at set-up), also when only the choice changed and no layer moves;
 4. parameters, optimizer state, learning-rate schedule, loss scaler, counters and this rank's RNG states are loaded
    into the new objects, and the model parameters are published from the main parameters, exactly as a resume does;
 5. a schedule whose plan depends on the costs runs the plan the stage planner simulated for the new split.
@@ -57,10 +59,18 @@ def _raw(dataset: Any) -> Any:
     return dataset.dataset if isinstance(dataset, DocumentMaskedDataset) else dataset
 
 
-def resplit(tr: Trainer, layers_per_stage: Sequence[int], *, decision: MeasuredSplit | None = None) -> Trainer:
+def resplit(
+    tr: Trainer,
+    layers_per_stage: Sequence[int],
+    *,
+    decision: MeasuredSplit | None = None,
+    recompute: Sequence[str] | None = None,
+) -> Trainer:
     """``tr``'s run continued with ``layers_per_stage`` transformer layers per virtual stage (collective over the
     job: every rank calls it at the same iteration boundary with the same split).  Returns the new trainer; ``tr``
-    must not be used afterwards.  ``decision``: the planner's answer it came from (its simulated plan is run)."""
+    must not be used afterwards.  ``decision``: the planner's answer it came from (its simulated plan is run, and
+    under ``--recompute-granularity auto`` its recompute choice).  ``recompute``: each virtual stage's choice
+    (auto only; default: the decision's, else the choice in force where the layers did not move)."""
     run, ctx = tr.run, tr.ctx
     layout = run.pipeline_layout
     sizes = tuple(int(n) for n in layers_per_stage)
@@ -92,6 +102,14 @@ def resplit(tr: Trainer, layers_per_stage: Sequence[int], *, decision: MeasuredS
     plan = decision.plan if decision is not None else None
     new_layout = layout.with_split(sizes, split=layout.split, plan=plan, even=layout.even_iteration)
     new_run = dataclasses.replace(run, pipeline_layout=new_layout)
+    if run.recompute.auto:  # the new stages' recompute: the planner's choice for them
+        if recompute is None and decision is not None:
+            recompute = decision.plan.recompute
+        if recompute is None:
+            recompute = run.recompute.choices(new_layout.layer_ranges)  # no choice given: the stages keep theirs
+        new_run = dataclasses.replace(new_run, recompute=run.recompute.planned(new_layout.layer_ranges, recompute))
+    elif recompute is not None:
+        raise ValueError("a per-stage recompute choice needs --recompute-granularity auto")
     new = setup(new_run, ctx, train_data=_raw(tr.train_data), valid_data=_raw(tr.valid_data))
     _load(new, params, optim)
     new.scheduler.load_state_dict(tr.scheduler.state_dict())

@@ -40,7 +40,7 @@ from megatron.data.loader import train_microbatches
 from megatron.deferred_loss import PendingLoss
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
-from megatron.model.cost_model import model_costs
+from megatron.model.cost_model import model_costs, recompute_options
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
@@ -280,13 +280,22 @@ def _measure_split(
     """Time the parts of the stages in the window (``PartTimer``), put them in the profile's ``parts`` and plan
     the split from the agreed profile on every rank (``MeasuredSplit``, kept in ``replanner.agreed``)."""
     layout = run.pipeline_layout
-    timer = PartTimer(pipe.runtime, start_iter=replanner.start_iter, end_iter=replanner.end_iter)
+    auto = run.recompute.auto  # the window re-decides each stage's recompute with the split
+    timer = PartTimer(
+        pipe.runtime, start_iter=replanner.start_iter, end_iter=replanner.end_iter, layers_without_recompute=auto
+    )
+    bytes_per_element = run.precision.params_dtype.itemsize
+    options = recompute_options(
+        run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element
+    )
     analytic = model_costs(
         run.model,
         padded_vocab_size=run.padded_vocab_size,
         micro_batch_size=run.training.micro_batch_size,
-        bytes_per_element=run.precision.params_dtype.itemsize,
+        bytes_per_element=bytes_per_element,
+        recompute=options if auto else (),
     )
+    chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
 
     def parts(profile: Profile) -> dict[str, Any] | None:
         # the window's means too (collective over the pipeline group; the latency is the median profile's): they
@@ -294,7 +303,7 @@ def _measure_split(
         means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
         means = dataclasses.replace(means, stage_layers=profile.stage_layers)
         try:  # every rank combines the same gathered samples, so all fail alike
-            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means)
+            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=chosen or ())
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: no per-part costs ({err})")
@@ -321,22 +330,20 @@ def _measure_split(
         if profile.parts is None:
             check_kept("no per-part costs")
             return None
-        if run.recompute.auto:  # its per-stage choices were planned with the start-up split, not re-planned here
-            check_kept("--recompute-granularity auto chose per stage for it")
-            if ctx.rank == 0:
-                log("layer split kept: --recompute-granularity auto chose per stage for the start-up split")
-            return None
         limit = replanner.replan.mem_limit if replanner.replan is not None else None
         if gb_limit is not None:
             limit = gb_limit if limit is None else min(limit, gb_limit)
         try:  # deterministic in the agreed profile: every rank decides alike
-            decision = measured_layer_split(profile, layout, num_microbatches=run.num_microbatches, mem_limit=limit)
+            decision = measured_layer_split(
+                profile, layout, num_microbatches=run.num_microbatches, mem_limit=limit, recompute=chosen
+            )
         except PlannerError as err:
             need = kept_need()
             # the measured memory proves the user's limit impossible: no split fits, nor does the plan in force
             if err.smallest is not None and limit == gb_limit and (need is None or need > gb_limit):
                 hint = "" if run.recompute.enabled else " or let stages recompute (--recompute-granularity auto)"
-                finding = f"no layer split fits it with {schedule} (the analytic model underestimated the activations)"
+                what = "layer split or recompute choice" if auto else "layer split"
+                finding = f"no {what} fits it with {schedule} (the analytic model underestimated the activations)"
                 smallest = err.smallest if need is None else min(err.smallest, need)
                 raise measured_limit_error(gb_limit, smallest, window=window, finding=finding, hint=hint) from None
             if ctx.rank == 0:

@@ -419,18 +419,22 @@ def evaluate_split(
     num_microbatches: int,
     chunks: int | None = None,
     recompute: Sequence[str] | None = None,
+    mem_limit: float | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     """(simulated iteration plus the model's ``step``, per-rank peak) of one given split (and recompute choice,
-    default none): what the planner's answer is compared with, e.g. the even split."""
+    default none): what the planner's answer is compared with, e.g. the even split.  ``mem_limit``: a
+    memory-capped cost-dependent schedule (zb-auto) plans within it, as the planner does (``ValueError`` if it
+    cannot); other plans are simulated as they are."""
     shape = _shape(schedule, num_ranks, num_microbatches, chunks)
     if len(layers) != shape.num_stages or sum(layers) != model.num_layers:
         raise ValueError(f"split {list(layers)} is not {model.num_layers} layers over {shape.num_stages} stages")
     names = model.option_names()
     opts = [0] * len(layers) if recompute is None else [names.index(r) for r in recompute]
     costs = model.stage_costs(layers, opts)
-    plan = _plan_for(shape, costs, None)
+    plan = _plan_for(shape, costs, mem_limit)
     if plan is None:
-        raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}")
+        within = "" if mem_limit is None or not shape.takes_limit else f" within the memory limit {mem_limit:g}"
+        raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}{within}")
     return simulate(plan, costs).end_time + model.step, _peak(plan, costs)
 
 
