@@ -53,6 +53,7 @@ from collections.abc import Callable
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.first_stage_tail import tail_candidate
 from zb_pipeline.schedule.generators.order_polish import polish_orders
+from zb_pipeline.schedule.generators.tip_hold import tip_hold
 from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_codes
 from zb_pipeline.schedule.generators.v_shape_block import block_codes
 from zb_pipeline.schedule.generators.v_shape_codes import Codes, makespan, resolve_backend, to_codes, to_schedule
@@ -246,9 +247,19 @@ def _candidates(
         polished = polish_orders(best, costs, peak_caps(p, costs, caps), budget=_POLISH_WORK // n)
         add_plan(simulate(polished, costs).makespan, polished)
     # The best plan with the tail of stage 0's rank (rank 0) re-ordered, where that is strictly shorter.
-    tailed = tail_candidate(name, p, m, costs, _first_best(out)[1](), peak_caps(p, costs, caps)[0], backend)
+    best_span, best = _first_best(out)
+    best = best()
+    tailed = tail_candidate(name, p, m, costs, best, peak_caps(p, costs, caps)[0], backend)
     if tailed is not None:
         add_plan(*tailed)
+        best_span, best = tailed
+    # Then the tip's hold at its last forward re-planned (zb-v: the tip at its cap; the Python reference only where
+    # the other passes run at full length), where that is strictly shorter.
+    if name == "zb-v" and (backend == "cpp" or n <= _PROBE_ABOVE):
+        held = tip_hold(p, m, costs, to_codes(best.ranks, m), best_span, peak_caps(p, costs, caps), backend)
+        if held is not None:
+            span, codes = held
+            out.append((span, lambda: to_schedule(name, p, m, codes)))
     return out
 
 
