@@ -33,6 +33,9 @@ within the caps is kept (ties: the first):
 4. *The best of these with the tail of rank 0 re-ordered* (``first_stage_tail``): after rank 0's last F and last
    B of stage 2p-1 nothing it runs feeds another rank, so W's may fill its waits for the stage-0 B's even where they
    overrun them; kept where that is strictly shorter (one W at the end of the zero-bubble paper's p = 16 rows).
+5. *zb-v: the tip's hold at its last forward* (``tip_hold``): the tip (rank p-1) at its cap runs two B's before
+   its last forward and three W's after it where the gradients can be back in time (the rank that feeds it runs
+   those B's a slot earlier); kept where that is strictly shorter (3W - 2B per chunk at the paper's rows).
 
 Large plans: knob settings and block variants are first compared on a shortened plan (``_PROBE_M``
 microbatches; warm-up and cool-down do not depend on m beyond that), then only the best few are run at full length.
