@@ -623,4 +623,18 @@ PYBIND11_MODULE(_v_shape_cpp, mod) {
     py::gil_scoped_release release;
     return makespan(c, plans);
   });
+  // (makespan, end time of every action by code): tip_hold's arrival times without a Python simulate.
+  mod.def("end_times", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) {
+    const int S = 2 * p;
+    const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, Vec(S, 0.0), Vec(S, 0.0),
+                               Vec(S, 0.0));
+    Timing tm;
+    double span;
+    {
+      py::gil_scoped_release release;
+      run_plan(c, plans, tm);
+      span = span_of(plans, tm);
+    }
+    return py::make_tuple(span, tm.done_time);
+  });
 }

@@ -33,6 +33,9 @@ within the caps is kept (ties: the first):
 4. *The best of these with the tail of rank 0 re-ordered* (``first_stage_tail``): after rank 0's last F and last
    B of stage 2p-1 nothing it runs feeds another rank, so W's may fill its waits for the stage-0 B's even where they
    overrun them; kept where that is strictly shorter (one W at the end of the zero-bubble paper's p = 16 rows).
+5. *zb-v: the tip's hold at its last forward* (``tip_hold``): the tip (rank p-1) at its cap runs two B's before
+   its last forward and three W's after it where the gradients can be back in time (the rank that feeds it runs
+   those B's a slot earlier); kept where that is strictly shorter (3W - 2B per chunk at the paper's rows).
 
 Large plans: knob settings and block variants are first compared on a shortened plan (``_PROBE_M``
 microbatches; warm-up and cool-down do not depend on m beyond that), then only the best few are run at full length.
@@ -53,6 +56,7 @@ from collections.abc import Callable
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.first_stage_tail import tail_candidate
 from zb_pipeline.schedule.generators.order_polish import polish_orders
+from zb_pipeline.schedule.generators.tip_hold import tip_hold
 from zb_pipeline.schedule.generators.v_shape_alternate import AltKnobs, alternate_codes
 from zb_pipeline.schedule.generators.v_shape_block import block_codes
 from zb_pipeline.schedule.generators.v_shape_codes import Codes, makespan, resolve_backend, to_codes, to_schedule
@@ -246,9 +250,19 @@ def _candidates(
         polished = polish_orders(best, costs, peak_caps(p, costs, caps), budget=_POLISH_WORK // n)
         add_plan(simulate(polished, costs).makespan, polished)
     # The best plan with the tail of stage 0's rank (rank 0) re-ordered, where that is strictly shorter.
-    tailed = tail_candidate(name, p, m, costs, _first_best(out)[1](), peak_caps(p, costs, caps)[0], backend)
+    best_span, best = _first_best(out)
+    best = best()
+    tailed = tail_candidate(name, p, m, costs, best, peak_caps(p, costs, caps)[0], backend)
     if tailed is not None:
         add_plan(*tailed)
+        best_span, best = tailed
+    # Then the tip's hold at its last forward re-planned (zb-v: the tip at its cap; the Python reference only where
+    # the other passes run at full length), where that is strictly shorter.
+    if name == "zb-v" and (backend == "cpp" or n <= _PROBE_ABOVE):
+        held = tip_hold(p, m, costs, to_codes(best.ranks, m), best_span, peak_caps(p, costs, caps), backend)
+        if held is not None:
+            span, codes = held
+            out.append((span, lambda: to_schedule(name, p, m, codes)))
     return out
 
 

@@ -58,6 +58,11 @@ def _table(num_stages: int, m: int) -> tuple[Action, ...]:
     return tuple(_action(s, kind, k) for s in range(num_stages) for k in range(m) for kind in _KINDS)
 
 
+def actions_of(p: int, m: int, plan: Sequence[int]) -> tuple[Action, ...]:
+    """One rank's plan of codes as its (interned) actions."""
+    return tuple(map(_table(2 * p, m).__getitem__, plan))
+
+
 def to_schedule(name: str, p: int, m: int, codes: Codes) -> Schedule:
     table = _table(2 * p, m)
     return Schedule(name, p, 2 * p, m, v_placement(p, 2), [tuple(map(table.__getitem__, c)) for c in codes])
