@@ -395,3 +395,32 @@ def test_p2p_latency_is_agreed_by_every_rank_in_both_modes() -> None:
     assert len({r for r in results}) == 1
     hot, idle = results[0]
     assert 0.0 <= hot < 1e3 and -0.5 < idle < 1e3  # idle: round trip minus the exactly-timed holds
+
+
+def test_what_the_accounting_held_dies_inside_the_timed_w(monkeypatch) -> None:
+    """Without the profiler a microbatch's W work (and the operands it holds) dies inside its W.  The saved-tensor
+    accounting holds it until after the W; the profiler lets it go inside the W's time (its own accounting stays
+    out of every action and of the gaps), or a window would measure a W cheaper than the W that runs after it.
+    A fake clock that jumps 1000 s when a work closure dies shows where each release was timed."""
+    import time
+    import weakref
+
+    from zb_pipeline.schedule.ir import Kind
+
+    torch.set_num_threads(1)
+    sched = generate("zb-h1", 1, 3)
+    ex = PipelineExecutor(lower(sched), 0, {0: MLPStage(0)}, p2p=None, input_fn=mlp_input, loss_fn=_loss_fn)
+    prof = ActionProfiler(ex, start_iter=0, end_iter=1, memory="saved-tensors")
+    skew, real = [0.0], time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() + skew[0])
+
+    def jump() -> None:
+        skew[0] += 1000.0
+
+    ex.store.on_submit.append(lambda work: weakref.finalize(work, jump))
+    ex.run(0)
+    assert skew[0] > 0  # the closures died during the iteration
+    w = prof.times[(Kind.W, 0)]
+    assert len(w) == 3 and all(t >= 1e6 for t in w)  # ms: each W paid the release of its own work
+    assert all(t < 1e6 for (kind, _), ts in prof.times.items() if kind is not Kind.W for t in ts)
+    assert all(g < 1e6 for g in prof.gaps)

@@ -193,13 +193,16 @@ class ActivationMemory:
         held = sum(v for k, v in self._live.items() if k != key) + float(sum(storages.values()))
         self._b_high = max(self._b_high, held)
 
-    def after_action(self, kind: Kind, key: tuple[int, int], before: int) -> None:
+    def after_action(self, kind: Kind, key: tuple[int, int], before: int) -> list[Any]:
         """Record what action ``kind`` on microbatch ``key = (stage, microbatch)`` added (``before`` from
-        ``before_action``)."""
+        ``before_action``).  Returns what this accounting held of the microbatch and lets go after its W (its
+        graph's root, its W work): without the profiler those die inside the W, so the caller drops them where
+        it times the action (``ActionProfiler``)."""
         if self.source == "cuda":
             self.mem.setdefault((kind, key[0]), []).append(float(torch.cuda.memory_allocated(self.device) - before))
         elif self.source == "saved-tensors":
-            self._account(kind, key)
+            return self._account(kind, key)
+        return []
 
     def hold_root(self, key: tuple[int, int], root: Any) -> None:
         """F of microbatch ``key`` saved ``root`` (a tensor or gradient edge) for its backward."""
@@ -227,23 +230,25 @@ class ActivationMemory:
                 storages[ptr] = nbytes
         return storages
 
-    def _account(self, kind: Kind, key: tuple[int, int]) -> None:
+    def _account(self, kind: Kind, key: tuple[int, int]) -> list[Any]:
+        released: list[Any] = []
         if self._in_b is not None:
             before = sum(self._live.values())
             self.transient.setdefault((self._b_kind, key[0]), []).append(max(0.0, self._b_high - before))
             self._peak = max(self._peak, self._b_high)
             self._in_b = None
         if kind in _FREES:
-            self._work.pop(key, None)
+            released.append(self._work.pop(key, None))
         live = self.resident(key)
         prev = self._live.get(key, 0.0)
         self.mem.setdefault((kind, key[0]), []).append(live - prev)
         if kind in _FREES:
             self.residual.setdefault(key[0], []).append(live)
-            self._roots.pop(key, None)
+            released.append(self._roots.pop(key, None))
             self._live.pop(key, None)
         else:
             self._live[key] = live
         total = sum(self._live.values())
         if total > self._peak:
             self._peak = total
+        return released

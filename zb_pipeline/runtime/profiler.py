@@ -8,6 +8,8 @@ In a window of iterations ``[start_iter, end_iter)`` an ``ActionProfiler`` attac
   iteration's last compute action to the next one's first call: the optimizer step, the loss reductions, the next
   batch -- what an iteration holds besides the plan);
 - the activation memory each action adds or frees and the rank's peak (``zb_pipeline.runtime.activation_memory``).
+  That accounting runs after each action, outside its time; it holds each microbatch's graph root and W work
+  until its W, and what it then lets go is dropped inside the W's time, where it dies without a profiler.
 
 It attaches through the executor's extension points only: ``wrap_handler`` around each compute kind, the
 ``input_ready``, ``saved_for_backward`` and ``iteration_start`` hooks, and the weight-gradient store's
@@ -169,14 +171,18 @@ class ActionProfiler:
                 end = self._now()
             finally:
                 self._in_action = False
+            released = self.activation.after_action(kind, (a.stage, a.microbatch), before)
             if self.cuda:
                 self._events.append((kind, a.stage, self._start, end))
             else:
-                self.times.setdefault((kind, a.stage), []).append((end - self._start) * 1e3)
-            self.activation.after_action(kind, (a.stage, a.microbatch), before)
-            if not self.cuda:
+                # What the accounting held of the microbatch (its graph, its W work) dies here, not inside the W as
+                # it does without the profiler: that release is the action's time, the accounting is not.
+                freeing = time.perf_counter()
+                released.clear()
+                freed = time.perf_counter() - freeing
+                self.times.setdefault((kind, a.stage), []).append((end - self._start + freed) * 1e3)
                 self._prev_end = end
-                self._own_time = time.perf_counter() - end  # the accounting above is the profiler's, not the runtime's
+                self._own_time = time.perf_counter() - end  # the accounting and the release: not the gap's
             return out
 
         return handler
