@@ -54,6 +54,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from zb_pipeline import comm  # noqa: E402
+from zb_pipeline.comm.backend import direct_group_of  # noqa: E402
 from zb_pipeline.runtime.deferrable_linear import DeferrableLinear  # noqa: E402
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
@@ -73,7 +74,12 @@ Span = tuple[float, float, float, float]  # (wall start, wall end, thread CPU st
 
 
 class TimedBackend:
-    """``torch.distributed`` whose P2P calls and waits are timed: ``spans`` holds a ``Span`` of each."""
+    """``torch.distributed`` whose P2P calls and waits are timed: ``spans`` holds a ``Span`` of each.
+
+    The pipeline's P2P layer calls the process group's own ``send``/``recv`` (``comm.P2PLink``); this stand-in offers
+    it a timed process group (``direct_group``), so the span is the backend call itself and the only cost of the
+    timing outside the spans is a method call and a small object per call (and per wait).
+    """
 
     _TIMED = frozenset({"isend", "irecv", "batch_isend_irecv"})
 
@@ -89,6 +95,10 @@ class TimedBackend:
         setattr(self, name, attr)  # looked up once: the wrapper's own cost stays out of the runtime's share
         return attr
 
+    def direct_group(self, group: Any = None) -> Any:
+        real = direct_group_of(self._real, group)
+        return None if real is None else _TimedGroup(real, self)
+
     def _timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()
         out = fn(*args, **kwargs)
@@ -99,18 +109,45 @@ class TimedBackend:
         return _TimedWork(out, self, name == "irecv")
 
 
+class _TimedGroup:
+    """A process group whose ``send``/``recv`` calls are timed (``TimedBackend.direct_group``)."""
+
+    __slots__ = ("_owner", "_recv", "_send", "_spans")
+
+    def __init__(self, pg: Any, owner: TimedBackend) -> None:
+        self._send, self._recv, self._owner, self._spans = pg.send, pg.recv, owner, owner.spans
+
+    def send(self, tensors: list, peer: int, tag: int) -> _TimedWork:
+        c0, t0 = thread_time(), perf_counter()
+        out = self._send(tensors, peer, tag)
+        t1 = perf_counter()
+        self._spans.append((t0, t1, c0, thread_time()))
+        return _TimedWork(out, self._owner, False)
+
+    def recv(self, tensors: list, peer: int, tag: int) -> _TimedWork:
+        c0, t0 = thread_time(), perf_counter()
+        out = self._recv(tensors, peer, tag)
+        t1 = perf_counter()
+        self._spans.append((t0, t1, c0, thread_time()))
+        return _TimedWork(out, self._owner, True)
+
+
 class _TimedWork:
+    __slots__ = ("_is_recv", "_owner", "_work", "is_completed")
+
     def __init__(self, work: Any, owner: TimedBackend, is_recv: bool) -> None:
         self._work, self._owner, self._is_recv = work, owner, is_recv
+        self.is_completed = work.is_completed  # the P2P layer's reaping asks it without a wrapper call
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+    def wait(self, *args: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()
-        out = self._work.wait(*args, **kwargs)
+        out = self._work.wait(*args)
         t1 = perf_counter()
         span = (t0, t1, c0, thread_time())
-        self._owner.spans.append(span)
+        owner = self._owner
+        owner.spans.append(span)
         if self._is_recv:
-            self._owner.waits.append(span)
+            owner.waits.append(span)
         return out
 
     def __getattr__(self, name: str) -> Any:

@@ -140,8 +140,10 @@ class PipelineP2P:
                 f"rank {pp_rank}: the pipeline's {where.backend} group moves tensors on {where.device}, not on "
                 f"device={self.device}; pass the ParallelContext's device (or none)"
             )
-        # Resolved once and handed to every call (a lookup per transfer was the runtime's largest own cost).
+        # Resolved once (a lookup per transfer was the runtime's largest own cost): the link calls the process
+        # group's own send/recv, with the layer's device checks, timeouts and peer errors.
         self._where = where
+        self._link = comm.P2PLink(group, where=where)
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
         self.check = check
@@ -152,6 +154,8 @@ class PipelineP2P:
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
         self._expected: dict[tuple[int, bool], deque[Action]] | None = None
         self._preposted: set[Action] = set()  # receives posted ahead of their batch (``prepost``)
+        # id(batch) -> (batch, sends, receives) as the gloo path posts them (``_ops``), built once per batch object.
+        self._ops_of: dict[int, tuple[CommBatch, tuple, tuple]] = {}
 
     # -- plan order (checking mode) -------------------------------------------------------------------------
     def expect(self, steps: Sequence[LoweredStep]) -> None:
@@ -252,29 +256,46 @@ class PipelineP2P:
     def _post_gloo(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """gloo matches each op on its own, in order per (peer, direction): the sends go out first -- a peer may be
         waiting for them -- and the receives after them, each in the plan's order."""
-        group, tag, pp_ranks, where = self.group, _DATA_TAG, self.pp_ranks, self._where
-        receives = []
+        hit = self._ops_of.get(id(batch))
+        sends, receives = (hit[1], hit[2]) if hit is not None and hit[0] is batch else self._ops(batch)
+        link = self._link
+        for a, peer, spec in sends:
+            t = self._send_tensor(a, payload, spec)
+            self._sends.append((link.isend(t, peer, _DATA_TAG), t, a))
+        if receives:
+            device, recvs = self.device, self._recvs
+            for a, peer, shape, dtype, key in receives:
+                buf = torch.empty(shape, dtype=dtype, device=device)  # a fresh buffer: the consumer keeps it
+                recvs[key] = (link.irecv(buf, peer, _DATA_TAG), buf, a)
+
+    def _ops(self, batch: CommBatch) -> tuple[tuple, tuple]:
+        """``batch``'s sends as (action, global peer, spec) and its receives as (action, global peer, shape, dtype,
+        key in ``_recvs``), each in plan order; kept per batch object (the executor posts the same ones every
+        iteration), so a post does no per-op look-up."""
+        sends, receives = [], []
         for a in batch.actions:
-            kind = a.kind
-            if kind is _SEND_F or kind is _SEND_B or kind is _SEND_PV:
-                t = self._send_tensor(a, payload)
-                self._sends.append((comm.isend(t, pp_ranks[a.peer], group=group, tag=tag, where=where), t, a))
+            spec, peer = self.spec_of(a), self.pp_ranks[a.peer]
+            if a.kind is _SEND_F or a.kind is _SEND_B or a.kind is _SEND_PV:
+                sends.append((a, peer, spec))
             else:
-                receives.append(a)
-        for a in receives:
-            buf = self._recv_buffer(a)
-            work = comm.irecv(buf, pp_ranks[a.peer], group=group, tag=tag, where=where)
-            self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
+                receives.append((a, peer, spec.shape, spec.dtype, (a.kind, a.stage, a.microbatch)))
+        if len(self._ops_of) >= 4096:  # batches built on the fly (``prepost``, a replay's plan): keep it bounded
+            self._ops_of.clear()
+        self._ops_of[id(batch)] = (batch, tuple(sends), tuple(receives))
+        return tuple(sends), tuple(receives)
 
     def _recv_buffer(self, a: Action) -> torch.Tensor:
         """A fresh buffer for receive ``a`` (its boundary spec)."""
         spec = self.spec_of(a)
         return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
 
-    def _send_tensor(self, a: Action, payload: Callable[[Action], torch.Tensor]) -> torch.Tensor:
+    def _send_tensor(
+        self, a: Action, payload: Callable[[Action], torch.Tensor], spec: TensorSpec | None = None
+    ) -> torch.Tensor:
         """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous."""
         t = payload(a)
-        spec = self.spec_of(a)
+        if spec is None:
+            spec = self.spec_of(a)
         # As few torch calls as possible: this runs between the producer's end and the send, often cache-cold
         # (a rank that slept in a bubble); a torch.Size compares equal to a tuple, and only a tensor in the
         # autograd graph needs detaching (so the P2P layer does not hold the graph while the send is in flight).
@@ -291,7 +312,7 @@ class PipelineP2P:
         """NCCL (one ``batch_isend_irecv`` per batch) and gloo's checking mode: the batch's ops in plan order."""
         ops: list[tuple[bool, torch.Tensor, int, Action]] = []
         new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []
-        check, group, where = self.check, self.group, self._where
+        check, group, where, link = self.check, self.group, self._where, self._link
         acks_in: list[tuple[object, torch.Tensor, Action]] = []
         for a in batch.actions:
             kind = a.kind
@@ -303,21 +324,18 @@ class PipelineP2P:
                 ops.append((True, self._send_tensor(a, payload), peer, a))
                 if check:
                     ack = torch.empty(3, dtype=torch.int64, device=self.device)
-                    acks_in.append((comm.irecv(ack, peer, group=group, tag=_ACK_TAG, where=where), ack, a))
+                    acks_in.append((link.irecv(ack, peer, _ACK_TAG), ack, a))
             else:
                 ops.append((False, self._recv_buffer(a), peer, a))
                 if check:
                     ident = torch.tensor(transfer_identity(a), dtype=torch.int64, device=self.device)
-                    self._acks.append((comm.isend(ident, peer, group=group, tag=_ACK_TAG, where=where), ident, a))
+                    self._acks.append((link.isend(ident, peer, _ACK_TAG), ident, a))
         if self._batched:
             works = comm.batch_isend_irecv(
                 [(s, t, peer) for s, t, peer, _ in ops], group=group, tag=_DATA_TAG, where=where
             )
         else:
-            works = [
-                (comm.isend if s else comm.irecv)(t, peer, group=group, tag=_DATA_TAG, where=where)
-                for s, t, peer, _ in ops
-            ]
+            works = [(link.isend if s else link.irecv)(t, peer, _DATA_TAG) for s, t, peer, _ in ops]
         for (is_send, t, _, a), work in zip(ops, works):
             if is_send:
                 self._sends.append((work, t, a))
@@ -368,13 +386,7 @@ class PipelineP2P:
         turn into a plan error) when not; ``PipelinePeerError`` if the transfer failed (a dead peer)."""
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            comm.wait(
-                work,
-                group=self.group,
-                timeout=timedelta(seconds=left),
-                peers=(self.pp_ranks[a.peer],),
-                where=self._where,
-            )
+            self._link.wait(work, timedelta(seconds=left), peers=(self.pp_ranks[a.peer],))
         except comm.PeerFailedError as err:
             if err.timed_out:
                 return err
@@ -410,7 +422,7 @@ class PipelineP2P:
         tracer = self.tracer
         t0 = time.perf_counter() if tracer is not None else 0.0
         try:
-            comm.wait(work, group=self.group, timeout=self._timeout, where=self._where)
+            self._link.wait(work, self._timeout)
         except comm.PeerFailedError as err:
             raise self._peer_error(
                 err,
@@ -435,7 +447,7 @@ class PipelineP2P:
         for work, _, a in self._sends:
             try:
                 left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                comm.wait(work, group=self.group, timeout=left, where=self._where)
+                self._link.wait(work, left)
             except comm.PeerFailedError as err:
                 raise self._peer_error(
                     err,
@@ -447,7 +459,7 @@ class PipelineP2P:
         for work, _, a in self._acks:
             try:
                 left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                comm.wait(work, group=self.group, timeout=left, where=self._where)
+                self._link.wait(work, left)
             except comm.PeerFailedError as err:
                 raise self._peer_error(
                     err,
