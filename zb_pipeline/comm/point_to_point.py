@@ -32,6 +32,8 @@ from zb_pipeline.comm.backend import current, direct_group_of
 from zb_pipeline.comm.failures import PeerFailedError, calling, is_peer_error, peer_failure
 from zb_pipeline.comm.placement import GroupPlacement, check_devices, placement
 
+_Tensor = torch.Tensor
+
 __all__ = ["P2PLink", "batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
 
 
@@ -116,18 +118,22 @@ class P2PLink:
     ``PeerFailedError`` naming the call, the group and the peer.  What they skip is the per-call Python in between:
     with the real ``torch.distributed`` underneath, a transfer calls the process group's own ``send``/``recv``
     (what ``torch.distributed.isend``/``irecv`` end in), not their default-group look-ups, rank translation and
-    argument checks.  A tensor subclass or a complex tensor goes through ``torch.distributed`` as before (its torch
-    function, the real view).  Under a stand-in backend (``use``) the link calls what the stand-in's
-    ``direct_group`` returns, or else its ``isend``/``irecv`` (``backend.direct_group``); a link made under a
-    stand-in keeps it.
+    argument checks.  A tensor subclass goes through ``torch.distributed`` as before (its torch function), and so does
+    a complex tensor except on gloo, which moves a tensor's bytes (``torch.distributed`` hands NCCL a real view).
+    Under a stand-in backend (``use``) the link calls what the stand-in's ``direct_group`` returns, or else its
+    ``isend``/``irecv`` (``backend.direct_group``); a link made under a stand-in keeps it.
     """
 
-    __slots__ = ("_impl", "_nccl", "_pg", "_ranks", "group", "where")
+    __slots__ = ("_cpu", "_gloo", "_impl", "_nccl", "_pg", "_ranks", "group", "where")
 
     def __init__(self, group: Any = None, *, where: GroupPlacement | None = None) -> None:
         self.group = group
         self.where = placement(group) if where is None else where
         self._nccl = self.where.is_nccl
+        # A CPU group (gloo) accepts exactly the tensors with ``is_cpu``: one attribute read instead of a device
+        # object and a comparison.  gloo moves bytes, so a complex tensor needs no real view there.
+        self._cpu = self.where.device == torch.device("cpu")
+        self._gloo = self.where.backend == "gloo"
         self._impl = current()
         self._pg = direct_group_of(self._impl, group)
         self._ranks: dict[int, int] = {}  # global rank -> rank in the group
@@ -141,12 +147,13 @@ class P2PLink:
 
     def isend(self, t: torch.Tensor, peer: int, tag: int = 0) -> Any:
         """Start sending ``t`` to global rank ``peer``; returns the work."""
-        if not self.where.accepts(t.device):
+        if not (t.is_cpu if self._cpu else self.where.accepts(t.device)):
             check_devices("isend", (t,), self.group, self.where)  # raises, naming the call and both devices
         pg = self._pg
         try:
-            if pg is not None and type(t) is torch.Tensor and not t.is_complex():
-                return pg.send([t], self._group_rank(peer), tag)
+            if pg is not None and type(t) is _Tensor and (self._gloo or not t.is_complex()):
+                rank = self._ranks.get(peer)
+                return pg.send([t], self._group_rank(peer) if rank is None else rank, tag)
             return self._impl.isend(t, peer, group=self.group, tag=tag)
         except Exception as err:
             if isinstance(err, PeerFailedError) or not is_peer_error(err):
@@ -155,12 +162,13 @@ class P2PLink:
 
     def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Any:
         """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
-        if not self.where.accepts(buf.device):
+        if not (buf.is_cpu if self._cpu else self.where.accepts(buf.device)):
             check_devices("irecv", (buf,), self.group, self.where)
         pg = self._pg
         try:
-            if pg is not None and type(buf) is torch.Tensor and not buf.is_complex():
-                return pg.recv([buf], self._group_rank(peer), tag)
+            if pg is not None and type(buf) is _Tensor and (self._gloo or not buf.is_complex()):
+                rank = self._ranks.get(peer)
+                return pg.recv([buf], self._group_rank(peer) if rank is None else rank, tag)
             return self._impl.irecv(buf, peer, group=self.group, tag=tag)
         except Exception as err:
             if isinstance(err, PeerFailedError) or not is_peer_error(err):

@@ -62,6 +62,7 @@ from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
 
 _PAIR, _W, _BW = Kind.PAIR, Kind.W, Kind.BW
+_BUILTIN_SEND = DEFAULT_HANDLERS[Kind.SEND_F]
 
 InputFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
@@ -344,6 +345,10 @@ class PipelineExecutor:
 
     def _payload(self, a: Action) -> torch.Tensor | None:
         handler = self.handlers.get(a.kind)
+        if handler is _BUILTIN_SEND:  # its ``take_payload``, inline (this runs between compute actions)
+            t = self._to_send.pop((a.kind, a.stage * self.num_microbatches + a.microbatch), None)
+            if t is not None:
+                return t
         if handler is None:
             raise KeyError(f"rank {self.rank}: no handler for communication kind {a.kind.value} ({a})")
         return handler(self, a)

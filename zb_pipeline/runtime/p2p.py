@@ -149,6 +149,7 @@ class PipelineP2P:
         self.check = check
         self.tracer = tracer
         self._batched = where.backend not in ("gloo",)  # NCCL (and others) need grouped posting to match as a unit
+        self._plain = not self._batched and not check  # gloo without the checking mode: ``_post_gloo``
         self._recvs: dict[tuple[Kind, int, int], tuple[object | None, torch.Tensor, Action]] = {}
         self._sends: list[tuple[object, torch.Tensor, Action]] = []
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
@@ -193,7 +194,10 @@ class PipelineP2P:
     def post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """Post every op of ``batch``; ``payload(send_action)`` gives the tensor a send moves."""
         try:
-            self._post(batch, payload)
+            if self._plain and not self._preposted:  # the hot path (gloo): straight to the batch's op lists
+                self._post_gloo(batch, payload)
+            else:
+                self._post(batch, payload)
         except PipelineCommError:
             raise
         except comm.PeerFailedError as err:
@@ -245,17 +249,20 @@ class PipelineP2P:
                 return
             if len(rest) != len(batch.actions):
                 batch = CommBatch(rest)
-        if not self._batched and not self.check:
+        if self._plain:
             self._post_gloo(batch, payload)
-            if self.tracer is not None:
-                self.tracer.comm_posted(batch)
         else:
             self._post_grouped(batch, payload)
-        self._reap_sends()
+            self._reap_sends()
 
     def _post_gloo(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """gloo matches each op on its own, in order per (peer, direction): the sends go out first -- a peer may be
-        waiting for them -- and the receives after them, each in the plan's order."""
+        waiting for them -- and the receives after them, each in the plan's order.
+
+        This runs between two compute actions, typically with the caches cold (the rank slept or computed), where
+        each torch call costs microseconds: the ops come from lists built once per batch (``_ops``), and each op
+        makes only the torch calls its checks need.
+        """
         hit = self._ops_of.get(id(batch))
         sends, receives = (hit[1], hit[2]) if hit is not None and hit[0] is batch else self._ops(batch)
         link = self._link
@@ -263,22 +270,29 @@ class PipelineP2P:
             t = self._send_tensor(a, payload, spec)
             self._sends.append((link.isend(t, peer, _DATA_TAG), t, a))
         if receives:
-            device, recvs = self.device, self._recvs
-            for a, peer, shape, dtype, key in receives:
-                buf = torch.empty(shape, dtype=dtype, device=device)  # a fresh buffer: the consumer keeps it
+            device, recvs, empty = self.device, self._recvs, torch.empty
+            for a, peer, size, dtype, key in receives:
+                buf = empty(*size, dtype=dtype, device=device)  # a fresh buffer: the consumer keeps it
                 recvs[key] = (link.irecv(buf, peer, _DATA_TAG), buf, a)
+        if self.tracer is not None:
+            self.tracer.comm_posted(batch)
+        sends = self._sends
+        if sends and sends[0][0].is_completed():  # ``_reap_sends``, inline
+            self._sends = [s for s in sends if not s[0].is_completed()]
 
     def _ops(self, batch: CommBatch) -> tuple[tuple, tuple]:
-        """``batch``'s sends as (action, global peer, spec) and its receives as (action, global peer, shape, dtype,
+        """``batch``'s sends as (action, global peer, spec) and its receives as (action, global peer, size, dtype,
         key in ``_recvs``), each in plan order; kept per batch object (the executor posts the same ones every
-        iteration), so a post does no per-op look-up."""
+        iteration), so a post does no per-op look-up.  ``size``: ``torch.empty``'s positional arguments, the shape
+        as separate ints (parsed faster than a tuple or a ``torch.Size``; ``((),)`` for a 0-d tensor)."""
         sends, receives = [], []
         for a in batch.actions:
             spec, peer = self.spec_of(a), self.pp_ranks[a.peer]
             if a.kind is _SEND_F or a.kind is _SEND_B or a.kind is _SEND_PV:
                 sends.append((a, peer, spec))
             else:
-                receives.append((a, peer, spec.shape, spec.dtype, (a.kind, a.stage, a.microbatch)))
+                size = spec.shape if spec.shape else ((),)
+                receives.append((a, peer, size, spec.dtype, (a.kind, a.stage, a.microbatch)))
         if len(self._ops_of) >= 4096:  # batches built on the fly (``prepost``, a replay's plan): keep it bounded
             self._ops_of.clear()
         self._ops_of[id(batch)] = (batch, tuple(sends), tuple(receives))
