@@ -11,7 +11,10 @@ How it measures (one launch of p gloo ranks per case; no wall-clock asserts anyw
 - every compute action's handler is wrapped (outermost) and records when it was entered and left, in wall time
   (``perf_counter``) and in the main thread's CPU time (``thread_time``, ``CLOCK_THREAD_CPUTIME_ID``);
 - the communication layer runs over a timing wrapper of ``torch.distributed`` (``comm.use``), which records every
-  ``isend``/``irecv``/``batch_isend_irecv`` call and every wait on their work, with start and end in both clocks;
+  transfer -- the process group's own ``send``/``recv``, which the P2P layer's ``comm.P2PLink`` calls (or an
+  ``isend``/``irecv``/``batch_isend_irecv``) -- and every wait on their work, with start and end in both clocks.
+  The spans are the backend's calls themselves; the wrapper's own cost outside them (a method call and a small object
+  per transfer and per wait, and the clock reads' halves) stays in the runtime CPU share;
 - the gap after action k = (entry of action k+1 - exit of action k) + (inside k+1: from its entry to the end of its
   input's wait, when it waited for a receive).  It counts only when that wait returned within ``BLOCKED_S`` (the
   input was there: a wait that blocked is the pipeline's dependency, not overhead);

@@ -266,8 +266,14 @@ class PipelineP2P:
         hit = self._ops_of.get(id(batch))
         sends, receives = (hit[1], hit[2]) if hit is not None and hit[0] is batch else self._ops(batch)
         link = self._link
-        for a, peer, spec in sends:
-            t = self._send_tensor(a, payload, spec)
+        for a, peer, spec in sends:  # ``_send_tensor``, inline
+            t = payload(a)
+            if t.shape != spec.shape or t.dtype != spec.dtype:
+                raise self._spec_error(a, t, spec)
+            if t.requires_grad:
+                t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
             self._sends.append((link.isend(t, peer, _DATA_TAG), t, a))
         if receives:
             device, recvs, empty = self.device, self._recvs, torch.empty
@@ -303,24 +309,25 @@ class PipelineP2P:
         spec = self.spec_of(a)
         return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
 
-    def _send_tensor(
-        self, a: Action, payload: Callable[[Action], torch.Tensor], spec: TensorSpec | None = None
-    ) -> torch.Tensor:
-        """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous."""
+    def _send_tensor(self, a: Action, payload: Callable[[Action], torch.Tensor]) -> torch.Tensor:
+        """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous (``_post_gloo``
+        does the same inline)."""
         t = payload(a)
-        if spec is None:
-            spec = self.spec_of(a)
+        spec = self.spec_of(a)
         # As few torch calls as possible: this runs between the producer's end and the send, often cache-cold
         # (a rank that slept in a bubble); a torch.Size compares equal to a tuple, and only a tensor in the
         # autograd graph needs detaching (so the P2P layer does not hold the graph while the send is in flight).
         if t.shape != spec.shape or t.dtype != spec.dtype:
-            raise PipelineCommError(
-                f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
-                f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
-            )
+            raise self._spec_error(a, t, spec)
         if t.requires_grad:
             t = t.detach()
         return t if t.is_contiguous() else t.contiguous()
+
+    def _spec_error(self, a: Action, t: torch.Tensor, spec: TensorSpec) -> PipelineCommError:
+        return PipelineCommError(
+            f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
+            f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
+        )
 
     def _post_grouped(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """NCCL (one ``batch_isend_irecv`` per batch) and gloo's checking mode: the batch's ops in plan order."""
