@@ -87,8 +87,8 @@ def test_the_p2p_layer_looks_its_group_up_once_and_waits_on_the_host_only_on_glo
         assert fake.lookups == 1 and not p2p.waits_on_stream
         _round(p2p)
     assert fake.lookups == 1, "a placement look-up per transfer is back on the hot path"
-    # the 3 receives' takes (the completed sends were reaped without a wait)
-    assert len(fake.waits) == 3 and all(isinstance(w[0], timedelta) for w in fake.waits)
+    # the 3 receives' takes and the 3 sends at finish (gloo's sends are waited for, never polled), all timed
+    assert len(fake.waits) == 6 and all(isinstance(w[0], timedelta) for w in fake.waits)
 
     fake = _CountingDist("nccl")
     with comm.use(fake), comm.pretend(group, backend="nccl", device="meta"):

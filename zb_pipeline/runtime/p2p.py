@@ -3,10 +3,11 @@
 The lowered plan (``zb_pipeline.schedule.lowering``) fixes every transfer, its peer, its batch and its position; this
 layer never re-derives any of it.  ``post(batch)`` issues the batch's sends and receives together (one
 ``batch_isend_irecv`` on NCCL, so the group is matched as a unit; plain ``isend``/``irecv`` in plan order on gloo)
-and returns at once.  A receive is waited for only when its data is consumed (``take``); a send is waited for when the
-next batch is posted finds it done, or at the end of the iteration (``finish``).  Waiting later than the strict model
-never breaks it: the order in which ops are *posted* is the plan's on every rank, and on NCCL that is the order the
-communication stream executes them in, so the stream runs exactly the strict model while the CPU runs ahead.
+and returns at once.  A receive is waited for only when its data is consumed (``take``); a send is dropped when a later
+post finds it done (NCCL), else waited for at the end of the iteration (``finish``; a gloo send reports completion
+only once waited for).  Waiting later than the strict model never breaks it: the order in which ops are *posted* is
+the plan's on every rank, and on NCCL that is the order the communication stream executes them in, so the stream runs
+exactly the strict model while the CPU runs ahead.
 
 Shapes come from the caller: ``boundary_specs[s]`` is the tensor handed from virtual stage ``s`` to ``s + 1`` (the
 activation one way, its gradient the other), so no shape handshake is ever needed.
@@ -282,9 +283,9 @@ class PipelineP2P:
                 recvs[key] = (link.irecv(buf, peer, _DATA_TAG), buf, a)
         if self.tracer is not None:
             self.tracer.comm_posted(batch)
-        sends = self._sends
-        if sends and sends[0][0].is_completed():  # ``_reap_sends``, inline
-            self._sends = [s for s in sends if not s[0].is_completed()]
+        # No ``_reap_sends`` here: a gloo send's work says it is completed only once it has been waited for (torch
+        # 2.13: ``is_completed()`` False after the peer received the data, True after ``wait()``), so asking
+        # would free nothing; ``finish`` waits for the sends.
 
     def _ops(self, batch: CommBatch) -> tuple[tuple, tuple]:
         """``batch``'s sends as (action, global peer, spec) and its receives as (action, global peer, size, dtype,
@@ -457,7 +458,7 @@ class PipelineP2P:
         return buf
 
     def _reap_sends(self) -> None:
-        """Drop (free) the tensors of sends that have completed."""
+        """Drop (free) the tensors of sends that have completed (NCCL: its works complete by themselves)."""
         sends = self._sends
         if sends and sends[0][0].is_completed():
             self._sends = [s for s in sends if not s[0].is_completed()]
