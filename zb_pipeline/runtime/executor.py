@@ -61,7 +61,7 @@ from zb_pipeline.schedule.ir import Action, Kind, PairAction
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
 
-_PAIR, _W, _BW = Kind.PAIR, Kind.W, Kind.BW
+_PAIR, _W, _BW, _RECV_F, _RECV_B = Kind.PAIR, Kind.W, Kind.BW, Kind.RECV_F, Kind.RECV_B
 _BUILTIN_SEND = DEFAULT_HANDLERS[Kind.SEND_F]
 
 InputFn = Callable[[int], torch.Tensor]
@@ -394,7 +394,7 @@ class PipelineExecutor:
         elif self.owner[s - 1] == self.rank:
             x = self._local_act.pop(s * self.num_microbatches + mb)
         else:
-            x = self.p2p.take(Kind.RECV_F, s, mb, a)
+            x = self.p2p.take(_RECV_F, s, mb, a)
         for hook in self.hooks.input_ready:
             hook(a)
         return x
@@ -416,7 +416,7 @@ class PipelineExecutor:
         elif self.owner[s + 1] == self.rank:
             g = self._local_grad.pop(s * self.num_microbatches + mb)
         else:
-            g = self.p2p.take(Kind.RECV_B, s, mb, a)
+            g = self.p2p.take(_RECV_B, s, mb, a)
         for hook in self.hooks.input_ready:
             hook(a)
         return g
