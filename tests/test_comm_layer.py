@@ -237,8 +237,10 @@ def test_a_link_calls_the_process_group_with_group_ranks_and_keeps_the_layers_ru
             link.wait(link.isend(torch.ones(2), 11, tag=1), timedelta(seconds=3))
             link.wait(link.irecv(torch.zeros(2, dtype=torch.complex64), 12), timedelta(seconds=3))  # gloo: bytes
         link.isend(torch.nn.Parameter(torch.ones(2)), 11)  # a subclass: torch.distributed's isend
+        _, buf = link.irecv_new((3, 1), torch.float64, 12)  # a new buffer on the group's device
     assert fake.calls[:4] == [("send", torch.device("cpu"), 1, 1), ("recv", torch.device("cpu"), 2, 0)] * 2
-    assert fake.calls[4] == ("isend", torch.device("cpu"), 11) and fake.rank_lookups == 2
+    assert fake.calls[4:] == [("isend", torch.device("cpu"), 11), ("recv", torch.device("cpu"), 2, 0)]
+    assert fake.rank_lookups == 2 and buf.shape == (3, 1) and buf.dtype == torch.float64
     assert len(fake.waits) == 4 and all(isinstance(w[0][0], timedelta) for w in fake.waits)
 
     fake = _DirectFake()
@@ -248,7 +250,12 @@ def test_a_link_calls_the_process_group_with_group_ranks_and_keeps_the_layers_ru
             link.isend(torch.ones(2), 11)
         link.wait(link.irecv(torch.zeros(2, device="meta"), 11), timedelta(seconds=3))
         link.isend(torch.zeros(2, dtype=torch.complex64, device="meta"), 11)  # NCCL: torch.distributed's real view
-    assert fake.calls == [("recv", torch.device("meta"), 1, 0), ("isend", torch.device("meta"), 11)]
+        _, buf = link.irecv_new((2,), torch.complex64, 11)
+    assert fake.calls == [
+        ("recv", torch.device("meta"), 1, 0),
+        ("isend", torch.device("meta"), 11),
+        ("irecv", torch.device("meta"), 11),
+    ]
     assert fake.waits == [((), {})]  # stream-side on NCCL: no timeout
 
     reset = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:8627: Connection reset by peer. More text.")

@@ -13,8 +13,8 @@ How it measures (one launch of p gloo ranks per case; no wall-clock asserts anyw
 - the communication layer runs over a timing wrapper of ``torch.distributed`` (``comm.use``), which records every
   transfer -- the process group's own ``send``/``recv``, which the P2P layer's ``comm.P2PLink`` calls (or an
   ``isend``/``irecv``/``batch_isend_irecv``) -- and every wait on their work, with start and end in both clocks.
-  The spans are the backend's calls themselves; the wrapper's own cost outside them (a method call and a small object
-  per transfer and per wait, and the clock reads' halves) stays in the runtime CPU share;
+  The spans are the backend's calls themselves; the wrapper's own cost outside them (a method call per transfer and
+  per wait, a small object per receive, and the clock reads' halves) stays in the runtime CPU share;
 - the gap after action k = (entry of action k+1 - exit of action k) + (inside k+1: from its entry to the end of its
   input's wait, when it waited for a receive).  It counts only when that wait returned within ``BLOCKED_S`` (the
   input was there: a wait that blocked is the pipeline's dependency, not overhead);
@@ -81,7 +81,7 @@ class TimedBackend:
 
     The pipeline's P2P layer calls the process group's own ``send``/``recv`` (``comm.P2PLink``); this stand-in offers
     it a timed process group (``direct_group``), so the span is the backend call itself and the only cost of the
-    timing outside the spans is a method call and a small object per call (and per wait).
+    timing outside the spans is a method call per transfer and a small object per receive (and its wait).
     """
 
     _TIMED = frozenset({"isend", "irecv", "batch_isend_irecv"})
@@ -120,12 +120,14 @@ class _TimedGroup:
     def __init__(self, pg: Any, owner: TimedBackend) -> None:
         self._send, self._recv, self._owner, self._spans = pg.send, pg.recv, owner, owner.spans
 
-    def send(self, tensors: list, peer: int, tag: int) -> _TimedWork:
+    def send(self, tensors: list, peer: int, tag: int) -> Any:
         c0, t0 = thread_time(), perf_counter()
         out = self._send(tensors, peer, tag)
         t1 = perf_counter()
         self._spans.append((t0, t1, c0, thread_time()))
-        return _TimedWork(out, self._owner, False)
+        # The work itself: on gloo the P2P layer waits for sends only at the end of the iteration, outside every gap
+        # (a wait inside one would count as the runtime's, overstating it, never hiding it).
+        return out
 
     def recv(self, tensors: list, peer: int, tag: int) -> _TimedWork:
         c0, t0 = thread_time(), perf_counter()
@@ -136,11 +138,10 @@ class _TimedGroup:
 
 
 class _TimedWork:
-    __slots__ = ("_is_recv", "_owner", "_work", "is_completed")
+    __slots__ = ("_is_recv", "_owner", "_work")
 
     def __init__(self, work: Any, owner: TimedBackend, is_recv: bool) -> None:
         self._work, self._owner, self._is_recv = work, owner, is_recv
-        self.is_completed = work.is_completed  # the P2P layer's reaping asks it without a wrapper call
 
     def wait(self, *args: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()

@@ -175,6 +175,21 @@ class P2PLink:
                 raise
             raise peer_failure(err, op="irecv", group=self.group, peers=(peer,)) from err
 
+    def irecv_new(self, size: Sequence[Any], dtype: torch.dtype, peer: int, tag: int = 0) -> tuple[Any, torch.Tensor]:
+        """Start receiving from global rank ``peer`` into a new ``torch.empty(*size, dtype=dtype)`` on the group's
+        device; returns the work and the buffer.  The buffer is made on the right device, so it needs no check."""
+        buf = torch.empty(*size, dtype=dtype, device=self.where.device)
+        pg = self._pg
+        try:
+            if pg is not None and (self._gloo or not dtype.is_complex):
+                rank = self._ranks.get(peer)
+                return pg.recv([buf], self._group_rank(peer) if rank is None else rank, tag), buf
+            return self._impl.irecv(buf, peer, group=self.group, tag=tag), buf
+        except Exception as err:
+            if isinstance(err, PeerFailedError) or not is_peer_error(err):
+                raise
+            raise peer_failure(err, op="irecv", group=self.group, peers=(peer,)) from err
+
     def wait(
         self, work: Any, timeout: timedelta | None = None, *, op: str = "wait", peers: Sequence[int] | None = None
     ) -> None:

@@ -277,10 +277,10 @@ class PipelineP2P:
                 t = t.contiguous()
             self._sends.append((link.isend(t, peer, _DATA_TAG), t, a))
         if receives:
-            device, recvs, empty = self.device, self._recvs, torch.empty
+            recvs, irecv_new = self._recvs, link.irecv_new
             for a, peer, size, dtype, key in receives:
-                buf = empty(*size, dtype=dtype, device=device)  # a fresh buffer: the consumer keeps it
-                recvs[key] = (link.irecv(buf, peer, _DATA_TAG), buf, a)
+                work, buf = irecv_new(size, dtype, peer, _DATA_TAG)  # a fresh buffer: the consumer keeps it
+                recvs[key] = (work, buf, a)
         if self.tracer is not None:
             self.tracer.comm_posted(batch)
         # No ``_reap_sends`` here: a gloo send's work says it is completed only once it has been waited for (torch
@@ -291,7 +291,8 @@ class PipelineP2P:
         """``batch``'s sends as (action, global peer, spec) and its receives as (action, global peer, size, dtype,
         key in ``_recvs``), each in plan order; kept per batch object (the executor posts the same ones every
         iteration), so a post does no per-op look-up.  ``size``: ``torch.empty``'s positional arguments, the shape
-        as separate ints (parsed faster than a tuple or a ``torch.Size``; ``((),)`` for a 0-d tensor)."""
+        as separate ints (parsed faster than a tuple or a ``torch.Size``; ``((),)`` for a 0-d tensor); the link
+        makes the buffer on the group's device, which is this layer's (checked at construction)."""
         sends, receives = [], []
         for a in batch.actions:
             spec, peer = self.spec_of(a), self.pp_ranks[a.peer]
