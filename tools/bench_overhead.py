@@ -345,6 +345,10 @@ def _profile_summary(path: str, top: int = 25) -> list[str]:
     return ["| function | calls | own ms | cumulative ms |", "|---|---|---|---|", *rows]
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -376,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"bench_overhead: unknown schedule(s) {unknown}; pick from {registry.available()}", file=sys.stderr)
         return 2
-    t_start = time.time()
+    t_start, load_start = time.time(), _load()
     rows = []
     for compute in args.compute:
         for p in args.pp:
@@ -394,13 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# Per-action overhead of the pipeline runtime",
         "",
         f"`python tools/bench_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}` -- "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, load average "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine: compare within one run only).",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, load average {load_start} at the start, "
+        f"{_load()} at the end (shared machine: compare within one run only).",
         "",
         "Gap = a compute action's end to the next one's start when its input was already there; backend = wall time "
-        "inside gloo's isend/irecv/wait calls; runtime CPU = the main thread's CPU time in the gap outside them (what "
-        "the runtime's code costs); off-CPU = gap - backend - runtime CPU (the main thread descheduled or waiting "
-        "for the GIL: the host's share); runtime wall = runtime CPU + off-CPU (tools/bench_overhead.py docstring).",
+        "inside gloo's send/recv calls (the process group's own, which the P2P layer calls) and waits; runtime CPU = "
+        "the main thread's CPU time in the gap outside them (what the runtime's code costs); off-CPU = gap - "
+        "backend - runtime CPU (the main thread descheduled or waiting for the GIL: the host's share); runtime wall = "
+        "runtime CPU + off-CPU (tools/bench_overhead.py docstring).",
         "",
         *_table(rows),
         "",
