@@ -189,6 +189,88 @@ def test_nccl_waits_pass_no_timeout_and_gloo_waits_do() -> None:
     assert len(fake.waits) == 4 and all(isinstance(w[0][0], timedelta) for w in fake.waits), fake.waits
 
 
+class _DirectFake(_FakeDist):
+    """A fake that offers the link a process group (``direct_group``): its ``send``/``recv`` take group ranks."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.error, self.rank_lookups = error, 0
+
+    def get_group_rank(self, group, global_rank: int) -> int:
+        self.rank_lookups += 1
+        return global_rank - 10  # the group holds global ranks 10, 11, ...
+
+    def get_rank(self, group=None) -> int:
+        return 10
+
+    def get_process_group_ranks(self, group) -> list[int]:
+        return [10, 11, 12]
+
+    def direct_group(self, group):
+        fake = self
+
+        class _PG:
+            def send(self, tensors, group_peer, tag):
+                return fake._direct("send", tensors, group_peer, tag)
+
+            def recv(self, tensors, group_peer, tag):
+                return fake._direct("recv", tensors, group_peer, tag)
+
+        return _PG()
+
+    def _direct(self, name, tensors, group_peer, tag):
+        if self.error is not None:
+            raise self.error
+        self.calls.append((name, tensors[0].device, group_peer, tag))
+        return _Work(self.waits)
+
+
+def test_a_link_calls_the_process_group_with_group_ranks_and_keeps_the_layers_rules() -> None:
+    """``comm.P2PLink``: the process group's own send/recv with the peer's group rank (looked up once), the device
+    check, torch.distributed's own call for a tensor subclass and for a complex tensor on NCCL, a host timeout on
+    gloo only, and a peer error named."""
+    group = object()
+    fake = _DirectFake()
+    with comm.use(fake), comm.pretend(group, backend="gloo", device="cpu"):
+        link = comm.P2PLink(group)
+        for _ in range(2):
+            link.wait(link.isend(torch.ones(2), 11, tag=1), timedelta(seconds=3))
+            link.wait(link.irecv(torch.zeros(2, dtype=torch.complex64), 12), timedelta(seconds=3))  # gloo: bytes
+        link.isend(torch.nn.Parameter(torch.ones(2)), 11)  # a subclass: torch.distributed's isend
+        _, buf = link.irecv_new((3, 1), torch.float64, 12)  # a new buffer on the group's device
+    assert fake.calls[:4] == [("send", torch.device("cpu"), 1, 1), ("recv", torch.device("cpu"), 2, 0)] * 2
+    assert fake.calls[4:] == [("isend", torch.device("cpu"), 11), ("recv", torch.device("cpu"), 2, 0)]
+    assert fake.rank_lookups == 2 and buf.shape == (3, 1) and buf.dtype == torch.float64
+    assert len(fake.waits) == 4 and all(isinstance(w[0][0], timedelta) for w in fake.waits)
+
+    fake = _DirectFake()
+    with comm.use(fake), comm.pretend(group, backend="nccl", device="meta"):
+        link = comm.P2PLink(group)
+        with pytest.raises(comm.CommDeviceError, match=r"isend: .* on cpu cannot go over a nccl group.*meta"):
+            link.isend(torch.ones(2), 11)
+        link.wait(link.irecv(torch.zeros(2, device="meta"), 11), timedelta(seconds=3))
+        link.isend(torch.zeros(2, dtype=torch.complex64, device="meta"), 11)  # NCCL: torch.distributed's real view
+        _, buf = link.irecv_new((2,), torch.complex64, 11)
+    assert fake.calls == [
+        ("recv", torch.device("meta"), 1, 0),
+        ("isend", torch.device("meta"), 11),
+        ("irecv", torch.device("meta"), 11),
+    ]
+    assert fake.waits == [((), {})]  # stream-side on NCCL: no timeout
+
+    reset = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:8627: Connection reset by peer. More text.")
+    with comm.use(_DirectFake(reset)), comm.pretend(group, backend="gloo", device="cpu"):
+        with pytest.raises(comm.PeerFailedError) as err:
+            comm.P2PLink(group).isend(torch.ones(2), 11)
+    got = (err.value.op, err.value.peers, err.value.members, err.value.timed_out)
+    assert got == ("isend", (11,), (10, 11, 12), False)
+    bad = RuntimeError("Tensors must be contiguous")
+    with comm.use(_DirectFake(bad)), comm.pretend(group, backend="gloo", device="cpu"):
+        with pytest.raises(RuntimeError) as plain:
+            comm.P2PLink(group).irecv(torch.ones(2), 11)
+    assert plain.value is bad
+
+
 def test_the_reducer_waits_without_a_timeout_on_nccl() -> None:
     from megatron.parallel.data_parallel import DataParallelReducer
 

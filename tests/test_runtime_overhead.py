@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zb_pipeline import comm
-from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec
+from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P, TensorSpec
 from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.lowering import CommBatch
 
@@ -87,8 +87,8 @@ def test_the_p2p_layer_looks_its_group_up_once_and_waits_on_the_host_only_on_glo
         assert fake.lookups == 1 and not p2p.waits_on_stream
         _round(p2p)
     assert fake.lookups == 1, "a placement look-up per transfer is back on the hot path"
-    # the 3 receives' takes (the completed sends were reaped without a wait)
-    assert len(fake.waits) == 3 and all(isinstance(w[0], timedelta) for w in fake.waits)
+    # the 3 receives' takes and the 3 sends at finish (gloo's sends are waited for, never polled), all timed
+    assert len(fake.waits) == 6 and all(isinstance(w[0], timedelta) for w in fake.waits)
 
     fake = _CountingDist("nccl")
     with comm.use(fake), comm.pretend(group, backend="nccl", device="meta"):
@@ -101,6 +101,49 @@ def test_the_p2p_layer_looks_its_group_up_once_and_waits_on_the_host_only_on_glo
         p2p.take(Kind.RECV_B, 0, 0, Action(0, Kind.B, 0))
         p2p.finish()
     assert fake.waits == [()]  # stream-side: no host timeout on the receive
+
+
+class _DirectDist(_CountingDist):
+    """A gloo fake that offers the P2P layer's link a process group (``direct_group``), recording its calls."""
+
+    def __init__(self) -> None:
+        super().__init__("gloo")
+        self.direct: list = []
+
+    def get_group_rank(self, group, global_rank: int) -> int:
+        return global_rank - 4
+
+    def direct_group(self, group):
+        fake = self
+
+        class _PG:
+            def send(self, tensors, group_peer, tag):
+                fake.direct.append(("send", tuple(tensors[0].shape), group_peer, tag))
+                return _Work(fake.waits)
+
+            def recv(self, tensors, group_peer, tag):
+                fake.direct.append(("recv", tuple(tensors[0].shape), group_peer, tag))
+                return _Work(fake.waits)
+
+        return _PG()
+
+
+def test_the_gloo_path_posts_through_the_process_group_from_op_lists_built_once() -> None:
+    group, fake = object(), _DirectDist()
+    with comm.use(fake):
+        p2p = PipelineP2P(pp_rank=0, boundary_specs=[TensorSpec(())], group=group, pp_ranks=(4, 5), timeout_s=5)
+        send, recv = Action(0, Kind.SEND_F, 0, peer=1), Action(0, Kind.RECV_B, 0, peer=1)
+        batch = CommBatch((recv, send))  # the sends go out first
+        for _ in range(3):
+            p2p.post(batch, lambda a: torch.zeros((), requires_grad=True) * 2)
+            ops = p2p._ops_of[id(batch)]
+            got = p2p.take(Kind.RECV_B, 0, 0, Action(0, Kind.B, 0))
+            assert got.shape == () and not got.requires_grad
+            p2p.finish()
+        assert p2p._ops_of[id(batch)] is ops and len(p2p._ops_of) == 1  # built at the first post only
+        with pytest.raises(PipelineCommError, match=r"sends a tensor of shape \(2,\).*boundary spec says \(\)"):
+            p2p.post(batch, lambda a: torch.zeros(2))
+    assert fake.direct == [("send", (), 1, 0), ("recv", (), 1, 0)] * 3 and fake.lookups == 1
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h2", "zb-v", "interleaved-zb"])

@@ -11,7 +11,10 @@ How it measures (one launch of p gloo ranks per case; no wall-clock asserts anyw
 - every compute action's handler is wrapped (outermost) and records when it was entered and left, in wall time
   (``perf_counter``) and in the main thread's CPU time (``thread_time``, ``CLOCK_THREAD_CPUTIME_ID``);
 - the communication layer runs over a timing wrapper of ``torch.distributed`` (``comm.use``), which records every
-  ``isend``/``irecv``/``batch_isend_irecv`` call and every wait on their work, with start and end in both clocks;
+  transfer -- the process group's own ``send``/``recv``, which the P2P layer's ``comm.P2PLink`` calls (or an
+  ``isend``/``irecv``/``batch_isend_irecv``) -- and every wait on their work, with start and end in both clocks.
+  The spans are the backend's calls themselves; the wrapper's own cost outside them (a method call per transfer and
+  per wait, a small object per receive, and the clock reads' halves) stays in the runtime CPU share;
 - the gap after action k = (entry of action k+1 - exit of action k) + (inside k+1: from its entry to the end of its
   input's wait, when it waited for a receive).  It counts only when that wait returned within ``BLOCKED_S`` (the
   input was there: a wait that blocked is the pipeline's dependency, not overhead);
@@ -54,6 +57,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from zb_pipeline import comm  # noqa: E402
+from zb_pipeline.comm.backend import direct_group_of  # noqa: E402
 from zb_pipeline.runtime.deferrable_linear import DeferrableLinear  # noqa: E402
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
@@ -73,7 +77,12 @@ Span = tuple[float, float, float, float]  # (wall start, wall end, thread CPU st
 
 
 class TimedBackend:
-    """``torch.distributed`` whose P2P calls and waits are timed: ``spans`` holds a ``Span`` of each."""
+    """``torch.distributed`` whose P2P calls and waits are timed: ``spans`` holds a ``Span`` of each.
+
+    The pipeline's P2P layer calls the process group's own ``send``/``recv`` (``comm.P2PLink``); this stand-in offers
+    it a timed process group (``direct_group``), so the span is the backend call itself and the only cost of the
+    timing outside the spans is a method call per transfer and a small object per receive (and its wait).
+    """
 
     _TIMED = frozenset({"isend", "irecv", "batch_isend_irecv"})
 
@@ -89,6 +98,10 @@ class TimedBackend:
         setattr(self, name, attr)  # looked up once: the wrapper's own cost stays out of the runtime's share
         return attr
 
+    def direct_group(self, group: Any = None) -> Any:
+        real = direct_group_of(self._real, group)
+        return None if real is None else _TimedGroup(real, self)
+
     def _timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()
         out = fn(*args, **kwargs)
@@ -99,18 +112,46 @@ class TimedBackend:
         return _TimedWork(out, self, name == "irecv")
 
 
+class _TimedGroup:
+    """A process group whose ``send``/``recv`` calls are timed (``TimedBackend.direct_group``)."""
+
+    __slots__ = ("_owner", "_recv", "_send", "_spans")
+
+    def __init__(self, pg: Any, owner: TimedBackend) -> None:
+        self._send, self._recv, self._owner, self._spans = pg.send, pg.recv, owner, owner.spans
+
+    def send(self, tensors: list, peer: int, tag: int) -> Any:
+        c0, t0 = thread_time(), perf_counter()
+        out = self._send(tensors, peer, tag)
+        t1 = perf_counter()
+        self._spans.append((t0, t1, c0, thread_time()))
+        # The work itself: on gloo the P2P layer waits for sends only at the end of the iteration, outside every gap
+        # (a wait inside one would count as the runtime's, overstating it, never hiding it).
+        return out
+
+    def recv(self, tensors: list, peer: int, tag: int) -> _TimedWork:
+        c0, t0 = thread_time(), perf_counter()
+        out = self._recv(tensors, peer, tag)
+        t1 = perf_counter()
+        self._spans.append((t0, t1, c0, thread_time()))
+        return _TimedWork(out, self._owner, True)
+
+
 class _TimedWork:
+    __slots__ = ("_is_recv", "_owner", "_work")
+
     def __init__(self, work: Any, owner: TimedBackend, is_recv: bool) -> None:
         self._work, self._owner, self._is_recv = work, owner, is_recv
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+    def wait(self, *args: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()
-        out = self._work.wait(*args, **kwargs)
+        out = self._work.wait(*args)
         t1 = perf_counter()
         span = (t0, t1, c0, thread_time())
-        self._owner.spans.append(span)
+        owner = self._owner
+        owner.spans.append(span)
         if self._is_recv:
-            self._owner.waits.append(span)
+            owner.waits.append(span)
         return out
 
     def __getattr__(self, name: str) -> Any:
@@ -304,6 +345,10 @@ def _profile_summary(path: str, top: int = 25) -> list[str]:
     return ["| function | calls | own ms | cumulative ms |", "|---|---|---|---|", *rows]
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4])
@@ -335,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"bench_overhead: unknown schedule(s) {unknown}; pick from {registry.available()}", file=sys.stderr)
         return 2
-    t_start = time.time()
+    t_start, load_start = time.time(), _load()
     rows = []
     for compute in args.compute:
         for p in args.pp:
@@ -353,13 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# Per-action overhead of the pipeline runtime",
         "",
         f"`python tools/bench_overhead.py {' '.join(argv if argv is not None else sys.argv[1:])}` -- "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, load average "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (shared machine: compare within one run only).",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(t_start))}, load average {load_start} at the start, "
+        f"{_load()} at the end (shared machine: compare within one run only).",
         "",
         "Gap = a compute action's end to the next one's start when its input was already there; backend = wall time "
-        "inside gloo's isend/irecv/wait calls; runtime CPU = the main thread's CPU time in the gap outside them (what "
-        "the runtime's code costs); off-CPU = gap - backend - runtime CPU (the main thread descheduled or waiting "
-        "for the GIL: the host's share); runtime wall = runtime CPU + off-CPU (tools/bench_overhead.py docstring).",
+        "inside gloo's send/recv calls (the process group's own, which the P2P layer calls) and waits; runtime CPU = "
+        "the main thread's CPU time in the gap outside them (what the runtime's code costs); off-CPU = gap - "
+        "backend - runtime CPU (the main thread descheduled or waiting for the GIL: the host's share); runtime wall = "
+        "runtime CPU + off-CPU (tools/bench_overhead.py docstring).",
         "",
         *_table(rows),
         "",

@@ -15,7 +15,8 @@ One concept per file:
 - ``failures``: ``PeerFailedError``, the one error of every call when a peer died or stopped (the call, the group, the
   ranks waited for, timeout or closed connection);
 - ``point_to_point``: sends, receives, their batches, and ``wait`` (a host timeout on gloo; on NCCL no per-call
-  timeout, so a wait only makes the compute stream wait and the process group's watchdog times a transfer out).
+  timeout, so a wait only makes the compute stream wait and the process group's watchdog times a transfer out);
+  ``P2PLink``, the same over one group resolved once, calling the process group's own ``send``/``recv``.
 
 Use it as ``from zb_pipeline import comm`` and ``comm.all_reduce(t, group=g)``.
 """
@@ -44,13 +45,14 @@ from zb_pipeline.comm.groups import (
     world_size,
 )
 from zb_pipeline.comm.placement import CommDeviceError, GroupPlacement, check_devices, device_of, placement, pretend
-from zb_pipeline.comm.point_to_point import batch_isend_irecv, irecv, isend, recv, send, wait
+from zb_pipeline.comm.point_to_point import P2PLink, batch_isend_irecv, irecv, isend, recv, send, wait
 
 __all__ = [
     "REDUCE_OPS",
     "CommDeviceError",
     "DistError",
     "GroupPlacement",
+    "P2PLink",
     "PeerFailedError",
     "ProcessGroup",
     "all_gather",

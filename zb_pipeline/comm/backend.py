@@ -16,7 +16,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["COLLECTIVE_CALLS", "DistError", "ProcessGroup", "current", "is_available", "use"]
+__all__ = [
+    "COLLECTIVE_CALLS",
+    "DistError",
+    "ProcessGroup",
+    "current",
+    "direct_group",
+    "direct_group_of",
+    "is_available",
+    "use",
+]
 
 # the backend's tensor collectives (names of torch.distributed functions), for wrappers that inspect calls in tests
 COLLECTIVE_CALLS = frozenset(
@@ -51,6 +60,25 @@ def use(impl: Any) -> Iterator[Any]:
         yield impl
     finally:
         _stack.remove(impl)
+
+
+def direct_group(group: Any = None) -> Any | None:
+    """The process group object whose own ``send``/``recv`` a transfer over ``group`` may call, skipping
+    ``torch.distributed``'s per-call Python (``None``: the default group's).
+
+    With the real module underneath that is the group itself.  A stand-in sees every call as ``isend``/``irecv``
+    (``None`` is returned) unless it offers ``direct_group(group)``, whose result (a recording, checking or timing
+    wrapper of the process group: ``send(tensors, group_peer, tag)``, ``recv(...)``) is returned instead.
+    """
+    return direct_group_of(current(), group)
+
+
+def direct_group_of(impl: Any, group: Any = None) -> Any | None:
+    """``direct_group`` with ``impl`` underneath (a wrapping stand-in asks it of what it wraps)."""
+    if impl is dist:
+        return dist.group.WORLD if group is None else group
+    offer = getattr(impl, "direct_group", None)
+    return None if offer is None else offer(group)
 
 
 def is_available() -> bool:

@@ -15,6 +15,9 @@ it (a received tensor would land in the copy).
 
 A peer that died or stopped raises ``PeerFailedError`` (``zb_pipeline.comm.failures``) naming the call, the group and
 the peer.
+
+``P2PLink(group)``: the same sends, receives and waits over one group, resolved once -- what a caller that transfers
+on every step uses (the pipeline's P2P layer).  See the class.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from typing import Any
 
 import torch
 
-from zb_pipeline.comm.backend import current
-from zb_pipeline.comm.failures import calling
+from zb_pipeline.comm.backend import current, direct_group_of
+from zb_pipeline.comm.failures import PeerFailedError, calling, is_peer_error, peer_failure
 from zb_pipeline.comm.placement import GroupPlacement, check_devices, placement
 
-__all__ = ["batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
+_Tensor = torch.Tensor
+
+__all__ = ["P2PLink", "batch_isend_irecv", "irecv", "isend", "recv", "send", "wait"]
 
 
 def isend(t: torch.Tensor, peer: int, *, group: Any = None, tag: int = 0, where: GroupPlacement | None = None) -> Any:
@@ -102,3 +107,99 @@ def wait(
             work.wait()
         else:
             work.wait(timeout)
+
+
+class P2PLink:
+    """``isend``, ``irecv`` and ``wait`` over one group, with everything about the group resolved when the link is
+    made: its placement, the process group object, and each peer's rank in it (on first use).
+
+    The calls keep the module functions' rules: every tensor is checked against the group's device
+    (``CommDeviceError``), a wait has a host timeout on gloo and none on NCCL, and a dead or stopped peer raises
+    ``PeerFailedError`` naming the call, the group and the peer.  What they skip is the per-call Python in between:
+    with the real ``torch.distributed`` underneath, a transfer calls the process group's own ``send``/``recv``
+    (what ``torch.distributed.isend``/``irecv`` end in), not their default-group look-ups, rank translation and
+    argument checks.  A tensor subclass goes through ``torch.distributed`` as before (its torch function), and so does
+    a complex tensor except on gloo, which moves a tensor's bytes (``torch.distributed`` hands NCCL a real view).
+    Under a stand-in backend (``use``) the link calls what the stand-in's ``direct_group`` returns, or else its
+    ``isend``/``irecv`` (``backend.direct_group``); a link made under a stand-in keeps it.
+    """
+
+    __slots__ = ("_cpu", "_gloo", "_impl", "_nccl", "_pg", "_ranks", "group", "where")
+
+    def __init__(self, group: Any = None, *, where: GroupPlacement | None = None) -> None:
+        self.group = group
+        self.where = placement(group) if where is None else where
+        self._nccl = self.where.is_nccl
+        # A CPU group (gloo) accepts exactly the tensors with ``is_cpu``: one attribute read instead of a device
+        # object and a comparison.  gloo moves bytes, so a complex tensor needs no real view there.
+        self._cpu = self.where.device == torch.device("cpu")
+        self._gloo = self.where.backend == "gloo"
+        self._impl = current()
+        self._pg = direct_group_of(self._impl, group)
+        self._ranks: dict[int, int] = {}  # global rank -> rank in the group
+
+    def _group_rank(self, peer: int) -> int:
+        rank = self._ranks.get(peer)
+        if rank is None:
+            rank = peer if self.group is None else int(self._impl.get_group_rank(self.group, peer))
+            self._ranks[peer] = rank
+        return rank
+
+    def isend(self, t: torch.Tensor, peer: int, tag: int = 0) -> Any:
+        """Start sending ``t`` to global rank ``peer``; returns the work."""
+        if not (t.is_cpu if self._cpu else self.where.accepts(t.device)):
+            check_devices("isend", (t,), self.group, self.where)  # raises, naming the call and both devices
+        pg = self._pg
+        try:
+            if pg is not None and type(t) is _Tensor and (self._gloo or not t.is_complex()):
+                rank = self._ranks.get(peer)
+                return pg.send([t], self._group_rank(peer) if rank is None else rank, tag)
+            return self._impl.isend(t, peer, group=self.group, tag=tag)
+        except Exception as err:
+            if isinstance(err, PeerFailedError) or not is_peer_error(err):
+                raise
+            raise peer_failure(err, op="isend", group=self.group, peers=(peer,)) from err
+
+    def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Any:
+        """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
+        if not (buf.is_cpu if self._cpu else self.where.accepts(buf.device)):
+            check_devices("irecv", (buf,), self.group, self.where)
+        pg = self._pg
+        try:
+            if pg is not None and type(buf) is _Tensor and (self._gloo or not buf.is_complex()):
+                rank = self._ranks.get(peer)
+                return pg.recv([buf], self._group_rank(peer) if rank is None else rank, tag)
+            return self._impl.irecv(buf, peer, group=self.group, tag=tag)
+        except Exception as err:
+            if isinstance(err, PeerFailedError) or not is_peer_error(err):
+                raise
+            raise peer_failure(err, op="irecv", group=self.group, peers=(peer,)) from err
+
+    def irecv_new(self, size: Sequence[Any], dtype: torch.dtype, peer: int, tag: int = 0) -> tuple[Any, torch.Tensor]:
+        """Start receiving from global rank ``peer`` into a new ``torch.empty(*size, dtype=dtype)`` on the group's
+        device; returns the work and the buffer.  The buffer is made on the right device, so it needs no check."""
+        buf = torch.empty(*size, dtype=dtype, device=self.where.device)
+        pg = self._pg
+        try:
+            if pg is not None and (self._gloo or not dtype.is_complex):
+                rank = self._ranks.get(peer)
+                return pg.recv([buf], self._group_rank(peer) if rank is None else rank, tag), buf
+            return self._impl.irecv(buf, peer, group=self.group, tag=tag), buf
+        except Exception as err:
+            if isinstance(err, PeerFailedError) or not is_peer_error(err):
+                raise
+            raise peer_failure(err, op="irecv", group=self.group, peers=(peer,)) from err
+
+    def wait(
+        self, work: Any, timeout: timedelta | None = None, *, op: str = "wait", peers: Sequence[int] | None = None
+    ) -> None:
+        """``wait(work, group=..., timeout=..., op=..., peers=...)`` for this link's group."""
+        try:
+            if timeout is None or self._nccl:
+                work.wait()
+            else:
+                work.wait(timeout)
+        except Exception as err:
+            if isinstance(err, PeerFailedError) or not is_peer_error(err):
+                raise
+            raise peer_failure(err, op=op, group=self.group, peers=peers) from err

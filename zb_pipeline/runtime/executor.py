@@ -61,7 +61,8 @@ from zb_pipeline.schedule.ir import Action, Kind, PairAction
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
 from zb_pipeline.schedule.post_validation_pass import replay_point, without_post_validation
 
-_PAIR, _W, _BW = Kind.PAIR, Kind.W, Kind.BW
+_PAIR, _W, _BW, _RECV_F, _RECV_B = Kind.PAIR, Kind.W, Kind.BW, Kind.RECV_F, Kind.RECV_B
+_BUILTIN_SEND = DEFAULT_HANDLERS[Kind.SEND_F]
 
 InputFn = Callable[[int], torch.Tensor]
 LossFn = Callable[[torch.Tensor, int], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
@@ -142,8 +143,8 @@ class PipelineExecutor:
         self.replay_requested = False
         self.replays = 0  # iterations replayed (post-validation changed the weights their first forwards used)
         self._replay_cache: tuple[Any, int | None] = (None, None)
-        # (id(steps), ahead, first ahead) -> (steps, post_plan(...)): the batches as posted on gloo, built once.
-        self._post_plans: dict[tuple[int, int, int], tuple[tuple, tuple]] = {}
+        # (id(steps), ahead, first ahead) -> (steps, what to post at each step): the batches as posted on gloo.
+        self._post_plans: dict[tuple[int, int, int], tuple[tuple, tuple[CommBatch | None, ...]]] = {}
         # On gloo, receives are posted up to this many compute actions before their own batch (``post_plan``).
         self.prepost_ahead = PREPOST_AHEAD
 
@@ -245,11 +246,9 @@ class PipelineExecutor:
                 if posts is None:
                     p2p.post(step, payload)
                 else:  # what is left of this batch, then the receives posted ahead here (built once per plan)
-                    rest, early = posts[j]
-                    if rest is not None:
-                        p2p.post(rest, payload)
-                    if early is not None:
-                        p2p.post(early, payload)
+                    batch = posts[j]
+                    if batch is not None:
+                        p2p.post(batch, payload)
                 if after_post:
                     for a in step.actions:
                         for hook in after_post.get(a.kind, ()):
@@ -297,15 +296,21 @@ class PipelineExecutor:
             for hook in self.hooks.stage_grads_final:
                 hook(stage)
 
-    def _post_plan(self, steps: tuple, first_ahead: int) -> tuple[tuple[CommBatch | None, CommBatch | None], ...]:
-        """``post_plan(steps, self.prepost_ahead, first_ahead)``, built once per plan (and replay point)."""
+    def _post_plan(self, steps: tuple, first_ahead: int) -> tuple[CommBatch | None, ...]:
+        """What to post at each step index: ``post_plan(steps, self.prepost_ahead, first_ahead)``'s ``rest`` and
+        ``early`` as one batch (``None``: nothing), built once per plan (and replay point).  One batch, one post:
+        the P2P layer posts its sends before its receives, so ``rest``'s sends, ``rest``'s receives and then
+        ``early``'s receives go out in the same order as two posts would send them."""
         key = (id(steps), self.prepost_ahead, first_ahead)
         hit = self._post_plans.get(key)
         if hit is not None and hit[0] is steps:
             return hit[1]
         if len(self._post_plans) > 8:  # replays build plans of fresh step tuples: keep the cache small
             self._post_plans.clear()
-        plan = post_plan(steps, self.prepost_ahead, first_ahead)
+        plan = tuple(
+            rest if early is None else early if rest is None else CommBatch(rest.actions + early.actions)
+            for rest, early in post_plan(steps, self.prepost_ahead, first_ahead)
+        )
         self._post_plans[key] = (steps, plan)
         return plan
 
@@ -344,6 +349,10 @@ class PipelineExecutor:
 
     def _payload(self, a: Action) -> torch.Tensor | None:
         handler = self.handlers.get(a.kind)
+        if handler is _BUILTIN_SEND:  # its ``take_payload``, inline (this runs between compute actions)
+            t = self._to_send.pop((a.kind, a.stage * self.num_microbatches + a.microbatch), None)
+            if t is not None:
+                return t
         if handler is None:
             raise KeyError(f"rank {self.rank}: no handler for communication kind {a.kind.value} ({a})")
         return handler(self, a)
@@ -385,7 +394,7 @@ class PipelineExecutor:
         elif self.owner[s - 1] == self.rank:
             x = self._local_act.pop(s * self.num_microbatches + mb)
         else:
-            x = self.p2p.take(Kind.RECV_F, s, mb, a)
+            x = self.p2p.take(_RECV_F, s, mb, a)
         for hook in self.hooks.input_ready:
             hook(a)
         return x
@@ -407,7 +416,7 @@ class PipelineExecutor:
         elif self.owner[s + 1] == self.rank:
             g = self._local_grad.pop(s * self.num_microbatches + mb)
         else:
-            g = self.p2p.take(Kind.RECV_B, s, mb, a)
+            g = self.p2p.take(_RECV_B, s, mb, a)
         for hook in self.hooks.input_ready:
             hook(a)
         return g

@@ -3,10 +3,11 @@
 The lowered plan (``zb_pipeline.schedule.lowering``) fixes every transfer, its peer, its batch and its position; this
 layer never re-derives any of it.  ``post(batch)`` issues the batch's sends and receives together (one
 ``batch_isend_irecv`` on NCCL, so the group is matched as a unit; plain ``isend``/``irecv`` in plan order on gloo)
-and returns at once.  A receive is waited for only when its data is consumed (``take``); a send is waited for when the
-next batch is posted finds it done, or at the end of the iteration (``finish``).  Waiting later than the strict model
-never breaks it: the order in which ops are *posted* is the plan's on every rank, and on NCCL that is the order the
-communication stream executes them in, so the stream runs exactly the strict model while the CPU runs ahead.
+and returns at once.  A receive is waited for only when its data is consumed (``take``); a send is dropped when a later
+post finds it done (NCCL), else waited for at the end of the iteration (``finish``; a gloo send reports completion
+only once waited for).  Waiting later than the strict model never breaks it: the order in which ops are *posted* is
+the plan's on every rank, and on NCCL that is the order the communication stream executes them in, so the stream runs
+exactly the strict model while the CPU runs ahead.
 
 Shapes come from the caller: ``boundary_specs[s]`` is the tensor handed from virtual stage ``s`` to ``s + 1`` (the
 activation one way, its gradient the other), so no shape handshake is ever needed.
@@ -140,18 +141,23 @@ class PipelineP2P:
                 f"rank {pp_rank}: the pipeline's {where.backend} group moves tensors on {where.device}, not on "
                 f"device={self.device}; pass the ParallelContext's device (or none)"
             )
-        # Resolved once and handed to every call (a lookup per transfer was the runtime's largest own cost).
+        # Resolved once (a lookup per transfer was the runtime's largest own cost): the link calls the process
+        # group's own send/recv, with the layer's device checks, timeouts and peer errors.
         self._where = where
+        self._link = comm.P2PLink(group, where=where)
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=timeout_s)
         self.check = check
         self.tracer = tracer
         self._batched = where.backend not in ("gloo",)  # NCCL (and others) need grouped posting to match as a unit
+        self._plain = not self._batched and not check  # gloo without the checking mode: ``_post_gloo``
         self._recvs: dict[tuple[Kind, int, int], tuple[object | None, torch.Tensor, Action]] = {}
         self._sends: list[tuple[object, torch.Tensor, Action]] = []
         self._acks: list[tuple[object, torch.Tensor, Action]] = []  # checking mode: acks we sent
         self._expected: dict[tuple[int, bool], deque[Action]] | None = None
         self._preposted: set[Action] = set()  # receives posted ahead of their batch (``prepost``)
+        # id(batch) -> (batch, sends, receives) as the gloo path posts them (``_ops``), built once per batch object.
+        self._ops_of: dict[int, tuple[CommBatch, tuple, tuple]] = {}
 
     # -- plan order (checking mode) -------------------------------------------------------------------------
     def expect(self, steps: Sequence[LoweredStep]) -> None:
@@ -189,7 +195,10 @@ class PipelineP2P:
     def post(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """Post every op of ``batch``; ``payload(send_action)`` gives the tensor a send moves."""
         try:
-            self._post(batch, payload)
+            if self._plain and not self._preposted:  # the hot path (gloo): straight to the batch's op lists
+                self._post_gloo(batch, payload)
+            else:
+                self._post(batch, payload)
         except PipelineCommError:
             raise
         except comm.PeerFailedError as err:
@@ -241,30 +250,61 @@ class PipelineP2P:
                 return
             if len(rest) != len(batch.actions):
                 batch = CommBatch(rest)
-        if not self._batched and not self.check:
+        if self._plain:
             self._post_gloo(batch, payload)
-            if self.tracer is not None:
-                self.tracer.comm_posted(batch)
         else:
             self._post_grouped(batch, payload)
-        self._reap_sends()
+            self._reap_sends()
 
     def _post_gloo(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """gloo matches each op on its own, in order per (peer, direction): the sends go out first -- a peer may be
-        waiting for them -- and the receives after them, each in the plan's order."""
-        group, tag, pp_ranks, where = self.group, _DATA_TAG, self.pp_ranks, self._where
-        receives = []
+        waiting for them -- and the receives after them, each in the plan's order.
+
+        This runs between two compute actions, typically with the caches cold (the rank slept or computed), where
+        each torch call costs microseconds: the ops come from lists built once per batch (``_ops``), and each op
+        makes only the torch calls its checks need.
+        """
+        hit = self._ops_of.get(id(batch))
+        sends, receives = (hit[1], hit[2]) if hit is not None and hit[0] is batch else self._ops(batch)
+        link = self._link
+        for a, peer, spec in sends:  # ``_send_tensor``, inline
+            t = payload(a)
+            if t.shape != spec.shape or t.dtype != spec.dtype:
+                raise self._spec_error(a, t, spec)
+            if t.requires_grad:
+                t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            self._sends.append((link.isend(t, peer, _DATA_TAG), t, a))
+        if receives:
+            recvs, irecv_new = self._recvs, link.irecv_new
+            for a, peer, size, dtype, key in receives:
+                work, buf = irecv_new(size, dtype, peer, _DATA_TAG)  # a fresh buffer: the consumer keeps it
+                recvs[key] = (work, buf, a)
+        if self.tracer is not None:
+            self.tracer.comm_posted(batch)
+        # No ``_reap_sends`` here: a gloo send's work says it is completed only once it has been waited for (torch
+        # 2.13: ``is_completed()`` False after the peer received the data, True after ``wait()``), so asking
+        # would free nothing; ``finish`` waits for the sends.
+
+    def _ops(self, batch: CommBatch) -> tuple[tuple, tuple]:
+        """``batch``'s sends as (action, global peer, spec) and its receives as (action, global peer, size, dtype,
+        key in ``_recvs``), each in plan order; kept per batch object (the executor posts the same ones every
+        iteration), so a post does no per-op look-up.  ``size``: ``torch.empty``'s positional arguments, the shape
+        as separate ints (parsed faster than a tuple or a ``torch.Size``; ``((),)`` for a 0-d tensor); the link
+        makes the buffer on the group's device, which is this layer's (checked at construction)."""
+        sends, receives = [], []
         for a in batch.actions:
-            kind = a.kind
-            if kind is _SEND_F or kind is _SEND_B or kind is _SEND_PV:
-                t = self._send_tensor(a, payload)
-                self._sends.append((comm.isend(t, pp_ranks[a.peer], group=group, tag=tag, where=where), t, a))
+            spec, peer = self.spec_of(a), self.pp_ranks[a.peer]
+            if a.kind is _SEND_F or a.kind is _SEND_B or a.kind is _SEND_PV:
+                sends.append((a, peer, spec))
             else:
-                receives.append(a)
-        for a in receives:
-            buf = self._recv_buffer(a)
-            work = comm.irecv(buf, pp_ranks[a.peer], group=group, tag=tag, where=where)
-            self._recvs[(a.kind, a.stage, a.microbatch)] = (work, buf, a)
+                size = spec.shape if spec.shape else ((),)
+                receives.append((a, peer, size, spec.dtype, (a.kind, a.stage, a.microbatch)))
+        if len(self._ops_of) >= 4096:  # batches built on the fly (``prepost``, a replay's plan): keep it bounded
+            self._ops_of.clear()
+        self._ops_of[id(batch)] = (batch, tuple(sends), tuple(receives))
+        return tuple(sends), tuple(receives)
 
     def _recv_buffer(self, a: Action) -> torch.Tensor:
         """A fresh buffer for receive ``a`` (its boundary spec)."""
@@ -272,26 +312,30 @@ class PipelineP2P:
         return torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
 
     def _send_tensor(self, a: Action, payload: Callable[[Action], torch.Tensor]) -> torch.Tensor:
-        """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous."""
+        """The tensor send ``a`` moves, checked against its boundary spec, detached and contiguous (``_post_gloo``
+        does the same inline)."""
         t = payload(a)
         spec = self.spec_of(a)
         # As few torch calls as possible: this runs between the producer's end and the send, often cache-cold
         # (a rank that slept in a bubble); a torch.Size compares equal to a tuple, and only a tensor in the
         # autograd graph needs detaching (so the P2P layer does not hold the graph while the send is in flight).
         if t.shape != spec.shape or t.dtype != spec.dtype:
-            raise PipelineCommError(
-                f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
-                f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
-            )
+            raise self._spec_error(a, t, spec)
         if t.requires_grad:
             t = t.detach()
         return t if t.is_contiguous() else t.contiguous()
+
+    def _spec_error(self, a: Action, t: torch.Tensor, spec: TensorSpec) -> PipelineCommError:
+        return PipelineCommError(
+            f"rank {self.pp_rank}: {a} sends a tensor of shape {tuple(t.shape)} {t.dtype}, but the "
+            f"boundary spec says {spec.shape} {spec.dtype}; fix the stage or the boundary_specs"
+        )
 
     def _post_grouped(self, batch: CommBatch, payload: Callable[[Action], torch.Tensor]) -> None:
         """NCCL (one ``batch_isend_irecv`` per batch) and gloo's checking mode: the batch's ops in plan order."""
         ops: list[tuple[bool, torch.Tensor, int, Action]] = []
         new_recvs: list[tuple[tuple[Kind, int, int], object, torch.Tensor, Action]] = []
-        check, group, where = self.check, self.group, self._where
+        check, group, where, link = self.check, self.group, self._where, self._link
         acks_in: list[tuple[object, torch.Tensor, Action]] = []
         for a in batch.actions:
             kind = a.kind
@@ -303,21 +347,18 @@ class PipelineP2P:
                 ops.append((True, self._send_tensor(a, payload), peer, a))
                 if check:
                     ack = torch.empty(3, dtype=torch.int64, device=self.device)
-                    acks_in.append((comm.irecv(ack, peer, group=group, tag=_ACK_TAG, where=where), ack, a))
+                    acks_in.append((link.irecv(ack, peer, _ACK_TAG), ack, a))
             else:
                 ops.append((False, self._recv_buffer(a), peer, a))
                 if check:
                     ident = torch.tensor(transfer_identity(a), dtype=torch.int64, device=self.device)
-                    self._acks.append((comm.isend(ident, peer, group=group, tag=_ACK_TAG, where=where), ident, a))
+                    self._acks.append((link.isend(ident, peer, _ACK_TAG), ident, a))
         if self._batched:
             works = comm.batch_isend_irecv(
                 [(s, t, peer) for s, t, peer, _ in ops], group=group, tag=_DATA_TAG, where=where
             )
         else:
-            works = [
-                (comm.isend if s else comm.irecv)(t, peer, group=group, tag=_DATA_TAG, where=where)
-                for s, t, peer, _ in ops
-            ]
+            works = [(link.isend if s else link.irecv)(t, peer, _DATA_TAG) for s, t, peer, _ in ops]
         for (is_send, t, _, a), work in zip(ops, works):
             if is_send:
                 self._sends.append((work, t, a))
@@ -368,13 +409,7 @@ class PipelineP2P:
         turn into a plan error) when not; ``PipelinePeerError`` if the transfer failed (a dead peer)."""
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            comm.wait(
-                work,
-                group=self.group,
-                timeout=timedelta(seconds=left),
-                peers=(self.pp_ranks[a.peer],),
-                where=self._where,
-            )
+            self._link.wait(work, timedelta(seconds=left), peers=(self.pp_ranks[a.peer],))
         except comm.PeerFailedError as err:
             if err.timed_out:
                 return err
@@ -410,7 +445,7 @@ class PipelineP2P:
         tracer = self.tracer
         t0 = time.perf_counter() if tracer is not None else 0.0
         try:
-            comm.wait(work, group=self.group, timeout=self._timeout, where=self._where)
+            self._link.wait(work, self._timeout)
         except comm.PeerFailedError as err:
             raise self._peer_error(
                 err,
@@ -424,7 +459,7 @@ class PipelineP2P:
         return buf
 
     def _reap_sends(self) -> None:
-        """Drop (free) the tensors of sends that have completed."""
+        """Drop (free) the tensors of sends that have completed (NCCL: its works complete by themselves)."""
         sends = self._sends
         if sends and sends[0][0].is_completed():
             self._sends = [s for s in sends if not s[0].is_completed()]
@@ -435,7 +470,7 @@ class PipelineP2P:
         for work, _, a in self._sends:
             try:
                 left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                comm.wait(work, group=self.group, timeout=left, where=self._where)
+                self._link.wait(work, left)
             except comm.PeerFailedError as err:
                 raise self._peer_error(
                     err,
@@ -447,7 +482,7 @@ class PipelineP2P:
         for work, _, a in self._acks:
             try:
                 left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-                comm.wait(work, group=self.group, timeout=left, where=self._where)
+                self._link.wait(work, left)
             except comm.PeerFailedError as err:
                 raise self._peer_error(
                     err,

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from zb_pipeline import comm
-from zb_pipeline.comm.backend import COLLECTIVE_CALLS
+from zb_pipeline.comm.backend import COLLECTIVE_CALLS, direct_group_of
 
 __all__ = ["DeviceCheckingBackend", "ExplicitDeviceMode", "HostRead", "package_dirs"]
 
@@ -72,6 +72,11 @@ class DeviceCheckingBackend:
             self.check("batch_isend_irecv", [op.tensor], op.group)
         return self._real.batch_isend_irecv(list(ops))
 
+    def direct_group(self, group: Any = None) -> Any:
+        """The process group a ``comm.P2PLink`` calls directly, behind the same check (as ``isend``/``irecv``)."""
+        real = direct_group_of(self._real, group)
+        return None if real is None else _CheckedGroup(self, real, group)
+
     def check(self, name: str, tensors: Iterable[torch.Tensor], group: Any) -> None:
         where = comm.placement(group)
         for t in tensors:
@@ -87,6 +92,21 @@ class DeviceCheckingBackend:
                     f"({where.backend} group)"
                 )
         self.calls[(name, where.backend)] += 1
+
+
+class _CheckedGroup:
+    """A process group whose ``send``/``recv`` are checked like ``isend``/``irecv`` (``direct_group``)."""
+
+    def __init__(self, owner: DeviceCheckingBackend, real: Any, group: Any) -> None:
+        self._owner, self._real, self._group = owner, real, group
+
+    def send(self, tensors: list[torch.Tensor], group_peer: int, tag: int) -> Any:
+        self._owner.check("isend", tensors, self._group)
+        return self._real.send(tensors, group_peer, tag)
+
+    def recv(self, tensors: list[torch.Tensor], group_peer: int, tag: int) -> Any:
+        self._owner.check("irecv", tensors, self._group)
+        return self._real.recv(tensors, group_peer, tag)
 
 
 # torch functions that create a tensor and take ``device=``.

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zb_pipeline.comm.backend import COLLECTIVE_CALLS
+from zb_pipeline.comm.backend import COLLECTIVE_CALLS, direct_group_of
 
 __all__ = ["CommEvent", "OpRecorder"]
 
@@ -56,6 +56,21 @@ class _RecordedWork:
         return getattr(self._work, name)
 
 
+class _RecordedGroup:
+    """A process group whose ``send``/``recv`` are recorded as ``isend``/``irecv`` calls (``direct_group``)."""
+
+    def __init__(self, rec: OpRecorder, real: Any, group: Any) -> None:
+        self._rec, self._real, self._group = rec, real, group
+
+    def send(self, tensors: list[Any], group_peer: int, tag: int) -> Any:
+        self._rec.events.append(CommEvent("call", "isend", self._group, False))
+        return _RecordedWork(self._real.send(tensors, group_peer, tag), self._rec, "isend", self._group)
+
+    def recv(self, tensors: list[Any], group_peer: int, tag: int) -> Any:
+        self._rec.events.append(CommEvent("call", "irecv", self._group, False))
+        return _RecordedWork(self._real.recv(tensors, group_peer, tag), self._rec, "irecv", self._group)
+
+
 class OpRecorder:
     """``torch.distributed`` that records every call and wait (module docstring)."""
 
@@ -84,6 +99,11 @@ class OpRecorder:
         """torch's ``P2POp`` over the real ``isend``/``irecv`` (torch checks the function's identity)."""
         real_op = op.args[1] if isinstance(op, functools.partial) else op
         return self._real.P2POp(real_op, tensor, peer, group=group, tag=tag)
+
+    def direct_group(self, group: Any = None) -> Any:
+        """The process group a ``comm.P2PLink`` calls directly, recorded as ``isend``/``irecv``."""
+        real = direct_group_of(self._real, group)
+        return None if real is None else _RecordedGroup(self, real, group)
 
     def batch_isend_irecv(self, ops: Sequence[Any]) -> list[Any]:
         names = ["isend" if op.op is self._real.isend else "irecv" for op in ops]
