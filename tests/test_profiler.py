@@ -9,6 +9,7 @@ equals the simulator's prediction under the profiled deltas.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -367,7 +368,9 @@ def test_example_benchmark_script_runs_under_torchrun(tmp_path) -> None:
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the script runs the interpreter running this test (not whatever python3 is first on PATH)
     env = dict(os.environ, QUICK="1", NPROC="2", RUNS="1", OUT=str(tmp_path), MASTER_PORT="29617")
+    env["PYTHON"] = sys.executable
     script = os.path.join(root, "examples", "benchmark_zb_vs_1f1b.sh")
     res = subprocess.run([script, "--microbatches", "2"], env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
