@@ -202,9 +202,9 @@ def gaps(actions: list[Span], spans: list[Span], waits: list[Span]) -> list[tupl
         backend = backend_cpu = 0.0
         for a, b, ca, cb in spans:
             if b > end and a < until:
-                part = (min(b, until) - max(a, end)) / (b - a) if b > a else 1.0  # clipped: that share of its CPU
-                backend += min(b, until) - max(a, end)
-                backend_cpu += (cb - ca) * part
+                overlap = min(b, until) - max(a, end)
+                backend += overlap
+                backend_cpu += (cb - ca) * (overlap / (b - a) if b > a else 1.0)  # clipped: that share of its CPU
         out.append((until - end, backend, max(cpu_until - cpu_end - backend_cpu, 0.0)))
     return out
 

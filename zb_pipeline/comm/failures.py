@@ -29,7 +29,7 @@ from typing import Any
 
 from zb_pipeline.comm.backend import DistError, current
 
-__all__ = ["PeerFailedError", "calling", "group_name", "is_peer_error", "peer_failure"]
+__all__ = ["PeerFailedError", "calling", "group_name", "is_peer_error", "peer_failure", "raise_peer_failure"]
 
 # What the backends say when a peer is gone or silent: gloo's transport errors (closed/reset connections, timeouts),
 # socket errors, NCCL's watchdog and aborted communicators.  Anything else (a bad argument) is not a peer failure.
@@ -154,6 +154,14 @@ def peer_failure(
     )
 
 
+def raise_peer_failure(err: BaseException, *, op: str, group: Any = None, peers: Sequence[int] | None = None) -> None:
+    """Raise ``peer_failure(err, ...)`` from ``err`` if ``err`` is a peer error not yet turned into one; else return
+    (the caller re-raises ``err`` unchanged).  The one translation behind ``calling`` and ``P2PLink``'s calls, which
+    catch instead of entering a context (a transfer's hot path)."""
+    if not isinstance(err, PeerFailedError) and is_peer_error(err):
+        raise peer_failure(err, op=op, group=group, peers=peers) from err
+
+
 class calling:  # noqa: N801 - used as a statement: ``with calling("all_reduce", group): ...``
     """Turn a peer error raised inside the block into ``PeerFailedError`` (``from`` the backend's error); anything else
     passes through unchanged.  A class, not a generator, because it wraps every transfer of the pipeline."""
@@ -167,6 +175,6 @@ class calling:  # noqa: N801 - used as a statement: ``with calling("all_reduce",
         return None
 
     def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> bool:
-        if err is None or isinstance(err, PeerFailedError) or not is_peer_error(err):
-            return False
-        raise peer_failure(err, op=self.op, group=self.group, peers=self.peers) from err
+        if err is not None:
+            raise_peer_failure(err, op=self.op, group=self.group, peers=self.peers)
+        return False

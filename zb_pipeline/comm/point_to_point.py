@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from zb_pipeline.comm.backend import current, direct_group_of
-from zb_pipeline.comm.failures import PeerFailedError, calling, is_peer_error, peer_failure
+from zb_pipeline.comm.failures import calling, raise_peer_failure
 from zb_pipeline.comm.placement import GroupPlacement, check_devices, placement
 
 _Tensor = torch.Tensor
@@ -156,9 +156,8 @@ class P2PLink:
                 return pg.send([t], self._group_rank(peer) if rank is None else rank, tag)
             return self._impl.isend(t, peer, group=self.group, tag=tag)
         except Exception as err:
-            if isinstance(err, PeerFailedError) or not is_peer_error(err):
-                raise
-            raise peer_failure(err, op="isend", group=self.group, peers=(peer,)) from err
+            raise_peer_failure(err, op="isend", group=self.group, peers=(peer,))
+            raise
 
     def irecv(self, buf: torch.Tensor, peer: int, tag: int = 0) -> Any:
         """Start receiving into ``buf`` from global rank ``peer``; returns the work."""
@@ -171,9 +170,8 @@ class P2PLink:
                 return pg.recv([buf], self._group_rank(peer) if rank is None else rank, tag)
             return self._impl.irecv(buf, peer, group=self.group, tag=tag)
         except Exception as err:
-            if isinstance(err, PeerFailedError) or not is_peer_error(err):
-                raise
-            raise peer_failure(err, op="irecv", group=self.group, peers=(peer,)) from err
+            raise_peer_failure(err, op="irecv", group=self.group, peers=(peer,))
+            raise
 
     def irecv_new(self, size: Sequence[Any], dtype: torch.dtype, peer: int, tag: int = 0) -> tuple[Any, torch.Tensor]:
         """Start receiving from global rank ``peer`` into a new ``torch.empty(*size, dtype=dtype)`` on the group's
@@ -186,9 +184,8 @@ class P2PLink:
                 return pg.recv([buf], self._group_rank(peer) if rank is None else rank, tag), buf
             return self._impl.irecv(buf, peer, group=self.group, tag=tag), buf
         except Exception as err:
-            if isinstance(err, PeerFailedError) or not is_peer_error(err):
-                raise
-            raise peer_failure(err, op="irecv", group=self.group, peers=(peer,)) from err
+            raise_peer_failure(err, op="irecv", group=self.group, peers=(peer,))
+            raise
 
     def wait(
         self, work: Any, timeout: timedelta | None = None, *, op: str = "wait", peers: Sequence[int] | None = None
@@ -200,6 +197,5 @@ class P2PLink:
             else:
                 work.wait(timeout)
         except Exception as err:
-            if isinstance(err, PeerFailedError) or not is_peer_error(err):
-                raise
-            raise peer_failure(err, op=op, group=self.group, peers=peers) from err
+            raise_peer_failure(err, op=op, group=self.group, peers=peers)
+            raise
