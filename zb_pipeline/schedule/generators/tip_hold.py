@@ -29,7 +29,7 @@ import math
 
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.v_shape_codes import Codes, actions_of, cpp, makespan, to_schedule
-from zb_pipeline.schedule.ir import Kind, v_placement
+from zb_pipeline.schedule.ir import v_placement
 from zb_pipeline.schedule.memory import order_peak
 from zb_pipeline.schedule.simulate import simulate
 
@@ -47,11 +47,9 @@ def end_times(p: int, m: int, costs: StageCosts, codes: Codes, backend: str) -> 
         return span, ends
     res = simulate(to_schedule("v", p, m, codes), costs)
     ends = [-1.0] * (2 * p * m * 3)
-    kinds = {Kind.F: 0, Kind.B: 1, Kind.W: 2}
-    for line in res.timeline:
+    for plan, line in zip(codes, res.timeline, strict=True):
         for x in line:
-            a = x.action
-            ends[(a.stage * m + a.microbatch) * 3 + kinds[a.kind]] = x.end
+            ends[plan[x.index]] = x.end
     return res.makespan, ends
 
 
@@ -151,7 +149,7 @@ def replan_tip_window(
 
     best: list = [_INF, None]
     seen: dict[tuple[int, int, int, int], list[tuple[float, tuple[float, ...]]]] = {}
-    fed_inputs = {d for c in feeder for d in inputs(c) if place[d // 3 // m] == tip and d not in before}
+    fed_inputs = sorted({d for c in feeder for d in inputs(c) if place[d // 3 // m] == tip and d not in before})
     nodes = [0]
 
     def search(t: float, mem: float, fi: int, i1: int, i0: int, wq: tuple, nw: int, done: dict, seq: tuple):
@@ -163,7 +161,7 @@ def replan_tip_window(
             return
         # Dominance: the same actions run, no later, and no output the feeder consumes later.
         key = (fi, i1, i0, nw)
-        outs = tuple(done[c] for c in sorted(done) if c in fed_inputs)
+        outs = tuple(done[c] for c in fed_inputs if c in done)  # a key fixes the F's and B's done
         for t2, outs2 in seen.get(key, ()):
             if t2 <= t + _EPS and all(a <= b + _EPS for a, b in zip(outs2, outs)):
                 return
