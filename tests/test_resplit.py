@@ -251,20 +251,27 @@ def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
     return {"losses": list(summary.losses), "log": stream.getvalue()}
 
 
+def _analytic(num_layers: int):
+    """The analytic model both calibration tests share: its proportions are what the measured stages scale."""
+    from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
+
+    return ModelCosts(
+        num_layers=num_layers,
+        layer=PartCosts(f=1.0, b=2.0, w=1.0, mem_f=10.0),
+        embedding=PartCosts(f=0.1, b=0.0, w=0.5, mem_f=1.0),
+        head=PartCosts(f=2.0, b=2.0, w=2.0, mem_f=30.0),
+    )
+
+
 def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     """F and B of each part are the medians of every rank's samples; a stage's measured W and memory are shared among
     its parts in the analytic model's proportions; what a stage's action holds beyond its parts goes to the
     embedding (first stage) and the head (last stage), so the parts add up to every measured stage again."""
     from megatron.pipeline.part_timer import combine_parts
     from zb_pipeline.schedule.profile import Profile
-    from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
+    from zb_pipeline.schedule.stage_planner import ModelCosts
 
-    analytic = ModelCosts(
-        num_layers=4,
-        layer=PartCosts(f=1.0, b=2.0, w=1.0, mem_f=10.0),
-        embedding=PartCosts(f=0.1, b=0.0, w=0.5, mem_f=1.0),
-        head=PartCosts(f=2.0, b=2.0, w=2.0, mem_f=30.0),
-    )
+    analytic = _analytic(num_layers=4)
     profile = Profile(
         num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(9.0, 9.0), w=(5.0, 8.0), bw=(None, None), comm=0.25,
         mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2), boundary=7.5,
@@ -298,14 +305,9 @@ def test_parts_calibration_finds_the_per_action_overhead() -> None:
     overhead every action pays (plus the runtime's gap between actions); the parts still add up to every stage."""
     from megatron.pipeline.part_timer import combine_parts
     from zb_pipeline.schedule.profile import Profile
-    from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
+    from zb_pipeline.schedule.stage_planner import ModelCosts
 
-    analytic = ModelCosts(
-        num_layers=6,
-        layer=PartCosts(f=1.0, b=2.0, w=1.0, mem_f=10.0),
-        embedding=PartCosts(f=0.1, b=0.0, w=0.5, mem_f=1.0),
-        head=PartCosts(f=2.0, b=2.0, w=2.0, mem_f=30.0),
-    )
+    analytic = _analytic(num_layers=6)
     profile = Profile(
         num_ranks=3, stage_to_rank=(0, 1, 2), f=(5.0, 4.5, 7.0), b=(7.0, 7.0, 9.0), w=(2.5, 2.0, 4.0),
         bw=(None,) * 3, comm=0.0, mem_f=(21.0, 20.0, 50.0), mem_b=(0.0,) * 3, mem_w=(-21.0, -20.0, -50.0),

@@ -279,12 +279,12 @@ def combine_parts(
     of ``analytic.option_names()``; () = none everywhere); with options in ``analytic`` the entry gets them,
     measured (``_measured_options``).
     """
+    summary = statistics.median if statistic == "median" else statistics.fmean
     measured: dict[str, dict[str, float]] = {}
     for part in PARTS:
         for kind in ("f", "b"):
             values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
             if values:
-                summary = statistics.median if statistic == "median" else statistics.fmean
                 measured.setdefault(part, {})[kind] = float(summary(values))
     missing = [p for p in PARTS if "f" not in measured.get(p, {})]
     if missing:
@@ -331,11 +331,7 @@ def combine_parts(
             w = share(part, "w", w_stage)
         else:  # fused BW only: W in the analytic ratio to the measured F
             w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
-        parts[part] = {
-            "f": f,
-            "b": b,
-            "w": w,
-        }
+        parts[part] = {"f": f, "b": b, "w": w}
     _memory(parts, profile, analytic, opts)
     ran = _measured_recompute(parts, profile, held, opts)
     options = _measured_options(analytic, parts["layer"], ran)

@@ -132,8 +132,22 @@ def schedule_mem_limit(
     given; ``None`` without either."""
     limits = [] if limit_bytes is None else [float(limit_bytes)]
     if microbatches is not None:
-        if not microbatches > 0:
-            raise ValueError(f"memory limit of {microbatches} microbatches must be > 0")
-        one = microbatch_bytes(costs.mem_f, costs.mem_b, stage_to_rank)
-        limits.append(float(microbatches) * one + max(costs.mem_b_transient, default=0.0))
+        limits.append(
+            pending_bytes(microbatches, costs.mem_f, costs.mem_b, costs.mem_b_transient, stage_to_rank=stage_to_rank)
+        )
     return min(limits) if limits else None
+
+
+def pending_bytes(
+    n: float,
+    mem_f: Sequence[float],
+    mem_b: Sequence[float],
+    mem_b_transient: Sequence[float],
+    *,
+    stage_to_rank: Sequence[int],
+) -> float:
+    """``--zero-bubble-max-pending-backward n`` in bytes: n microbatches of the heaviest rank
+    (``microbatch_bytes``) plus the largest transient a B holds while it recomputes."""
+    if not n > 0:
+        raise ValueError(f"memory limit of {n} microbatches must be > 0")
+    return float(n) * microbatch_bytes(mem_f, mem_b, stage_to_rank) + max(mem_b_transient, default=0.0)

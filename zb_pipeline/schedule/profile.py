@@ -21,7 +21,7 @@ from typing import Any
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
-from zb_pipeline.schedule.memory import microbatch_bytes, schedule_mem_limit
+from zb_pipeline.schedule.memory import microbatch_bytes, pending_bytes
 from zb_pipeline.schedule.registry import placement_of
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
@@ -269,13 +269,8 @@ def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = T
 
 def mem_limit_for_microbatches(profile: Profile, n: float) -> float:
     """``--zero-bubble-max-pending-backward N`` in bytes under ``profile``'s measured memory (with the run's
-    recomputation in force): ``memory.schedule_mem_limit``'s conversion."""
-    costs = StageCosts(
-        f=(1.0,) * profile.num_stages, b=(1.0,) * profile.num_stages, w=(1.0,) * profile.num_stages, comm=0.0,
-        mem_f=profile.mem_f, mem_b=profile.mem_b, mem_w=tuple(-(x + y) for x, y in zip(profile.mem_f, profile.mem_b)),
-        mem_b_transient=tuple(profile.mem_b_transient),
-    )  # fmt: skip
-    return schedule_mem_limit(costs, profile.stage_to_rank, microbatches=n)
+    recomputation in force): ``memory.pending_bytes``."""
+    return pending_bytes(n, profile.mem_f, profile.mem_b, profile.mem_b_transient, stage_to_rank=profile.stage_to_rank)
 
 
 def profile_is_finite(profile: Profile) -> bool:
