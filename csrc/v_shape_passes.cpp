@@ -554,6 +554,12 @@ Costs make_costs(int p, int m, Vec f, Vec b, Vec w, double comm, Vec mf, Vec mb,
   return Costs(p, m, std::move(f), std::move(b), std::move(w), comm, std::move(mf), std::move(mb), std::move(mw));
 }
 
+// Costs for timing only (tail_fill, makespan, end_times): no memory deltas, so zeros per stage.
+Costs timing_costs(int p, int m, Vec f, Vec b, Vec w, double comm) {
+  const Vec zero(2 * static_cast<std::size_t>(std::max(p, 0)), 0.0);
+  return make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, zero, zero, zero);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_v_shape_cpp, mod) {
@@ -604,9 +610,7 @@ PYBIND11_MODULE(_v_shape_cpp, mod) {
     return makespan(c, plans);
   });
   mod.def("tail_fill", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) -> py::object {
-    const int S = 2 * p;
-    const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, Vec(S, 0.0), Vec(S, 0.0),
-                               Vec(S, 0.0));
+    const Costs c = timing_costs(p, m, std::move(f), std::move(b), std::move(w), comm);
     std::vector<int> out;
     double span;
     {
@@ -617,17 +621,13 @@ PYBIND11_MODULE(_v_shape_cpp, mod) {
     return py::make_tuple(span, out);
   });
   mod.def("makespan", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) {
-    const int S = 2 * p;
-    const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, Vec(S, 0.0), Vec(S, 0.0),
-                               Vec(S, 0.0));
+    const Costs c = timing_costs(p, m, std::move(f), std::move(b), std::move(w), comm);
     py::gil_scoped_release release;
     return makespan(c, plans);
   });
   // (makespan, end time of every action by code): tip_hold's arrival times without a Python simulate.
   mod.def("end_times", [](int p, int m, Vec f, Vec b, Vec w, double comm, const Plans& plans) {
-    const int S = 2 * p;
-    const Costs c = make_costs(p, m, std::move(f), std::move(b), std::move(w), comm, Vec(S, 0.0), Vec(S, 0.0),
-                               Vec(S, 0.0));
+    const Costs c = timing_costs(p, m, std::move(f), std::move(b), std::move(w), comm);
     Timing tm;
     double span;
     {

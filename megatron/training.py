@@ -318,18 +318,19 @@ def _train_loop(
         profile.before_iteration(tr.iteration)
         nxt = tr.iteration + 1
         scalars_next = writes_scalars and nxt % run.logging.tensorboard_log_interval == 0
-        res = train_step(tr, read_stats=scalars_next or _logs_at(tr, nxt))
+        logs = _logs_at(tr, nxt)  # a log line follows this iteration: read once, used before and after its step
+        res = train_step(tr, read_stats=scalars_next or logs)
         profile.after_iteration(tr.iteration)
         if collector is not None:
             collector.after_iteration(tr.iteration)
         window.add(res, run.global_batch_size_at(tr.iteration - 1))
         if res.grad_stats is not None:
             last_grad_norm = res.grad_stats.norm
-        it = tr.iteration
+        it = tr.iteration  # == nxt
         if scalars_next:
             settle_losses(tr)  # the scalars read the loss: reduced at these iterations on every rank
             logger.iteration_scalars(it, _scalars(tr, res))
-        if _logs_at(tr, it):
+        if logs:
             settle_losses(tr)  # the window's losses, reduced over the pipeline and data parallel (deferred_loss)
             logger.iteration(window.stats(tr, res, last_grad_norm, flops_per_iter))
             window = _LogWindow()
@@ -344,7 +345,7 @@ def _train_loop(
             window.skipped += _count_skipped(settle_pending_step(tr))
             tr = _resplit(tr, decision, logger)
             window.start = time.time()  # moving the layers is not iteration time
-        saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time, time_flag)
+        saved_at, stop = _save_or_exit(tr, logger, signals, saved_at, start_time, time_flag, logs=logs)
         if stop:
             break
     else:
@@ -413,11 +414,18 @@ def _time_is_up(tr: Trainer, start_time: float, flag: AnyRankFlag, *, wait: bool
 
 
 def _save_or_exit(
-    tr: Trainer, logger: TrainingLogger, signals: object, saved_at: int, start_time: float, time_flag: AnyRankFlag
+    tr: Trainer,
+    logger: TrainingLogger,
+    signals: object,
+    saved_at: int,
+    start_time: float,
+    time_flag: AnyRankFlag,
+    *,
+    logs: bool,
 ) -> tuple[int, bool]:
     """After iteration ``tr.iteration``: the interval checkpoint, then SIGTERM, ``--exit-duration-in-mins`` and
-    ``--exit-interval`` (each saves first unless that iteration is saved already).  Returns (the last saved
-    iteration, stop the loop?)."""
+    ``--exit-interval`` (each saves first unless that iteration is saved already).  ``logs``: a log line followed
+    the iteration (``_logs_at``).  Returns (the last saved iteration, stop the loop?)."""
     ckpt, t, it = tr.run.checkpoint, tr.run.training, tr.iteration
     if ckpt.save and ckpt.save_interval and it % ckpt.save_interval == 0:
         _save(tr, logger)
@@ -425,10 +433,7 @@ def _save_or_exit(
     # The signal and time flags are reduced without a wait (answered one iteration later) except where the run
     # synchronises anyway: a log line, an evaluation, a checkpoint, an exit.
     wait = (
-        _logs_at(tr, it)
-        or saved_at == it
-        or (t.exit_interval is not None and it % t.exit_interval == 0)
-        or _evaluates_at(tr, it)
+        logs or saved_at == it or (t.exit_interval is not None and it % t.exit_interval == 0) or _evaluates_at(tr, it)
     )
     if isinstance(signals, ExitSignalHandler) and signals.should_exit(
         distributed=tr.ctx.is_distributed, wait=wait, timeout=tr.ctx.timeout

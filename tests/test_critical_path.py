@@ -74,3 +74,63 @@ def test_missing_send_events_leave_posting_unknown() -> None:
     doc["traceEvents"] = [ev for ev in doc["traceEvents"] if ev["cat"] != "SEND_B"]
     path = critical_path(doc, generate("gpipe", 2, 1), 0)
     assert path.hops == 2 and path.posting_ms is None
+
+
+def _trace_as_simulated(name: str, p: int, m: int, *, comm_ms: float, post_ms: float) -> tuple[dict, float]:
+    """A trace of ``name`` run exactly as the simulator times it at T_comm ``comm_ms`` (F 2, B 3, W 1.5 ms per stage):
+    every send posted ``post_ms`` after its plan step ends (a pair: after its backward half, as lowered), every
+    receive waited from the rank's previous end to the arrival.  Returns it and the simulated makespan."""
+    from zb_pipeline.schedule.costs import StageCosts
+    from zb_pipeline.schedule.ir import halves
+    from zb_pipeline.schedule.simulate import simulate
+
+    sched = generate(name, p, m)
+    costs = StageCosts.build(
+        num_ranks=p, chunks=sched.chunks, stage_to_rank=sched.stage_to_rank, f=2.0, b=3.0, w=1.5, comm=comm_ms
+    )
+    res = simulate(sched, costs)
+    owner, last = sched.stage_to_rank, sched.num_stages - 1
+    ends = {  # (stage, forward?, microbatch) -> when the plan step producing it ends
+        (h.stage, h.kind is Kind.F, h.microbatch): x.end
+        for line in res.timeline
+        for x in line
+        for h in halves(x.action)
+        if h.kind is not Kind.W
+    }
+    evs = []
+    for r, line in enumerate(res.timeline):
+        free = 0.0
+        for x in line:
+            t = x.start
+            for h in halves(x.action):
+                fwd = h.kind is Kind.F
+                if h.kind is not Kind.W:  # its input from another rank: waited for from the rank's previous end
+                    src = h.stage - 1 if fwd else h.stage + 1
+                    if 0 <= src <= last and owner[src] != r:
+                        arrival = ends[(src, fwd, h.microbatch)] + comm_ms
+                        recv = "RECV_F" if fwd else "RECV_B"
+                        evs.append(_ev(r, "wait", h.stage, h.microbatch, free, max(arrival - free, 0.0), kind=recv))
+                        free = max(free, arrival)
+                    dst = h.stage + 1 if fwd else h.stage - 1
+                    if 0 <= dst <= last and owner[dst] != r:
+                        evs.append(_ev(r, "SEND_F" if fwd else "SEND_B", h.stage, h.microbatch, x.end + post_ms, 0, 1))
+                dur = x.end - t if h is halves(x.action)[-1] else costs.f[h.stage]  # a pair: F, then BW
+                evs.append(_ev(r, h.kind.value, h.stage, h.microbatch, t, dur))
+                t += dur
+            free = x.end
+    return {"traceEvents": evs}, res.makespan
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "zb-v", "1f1b"])
+def test_a_trace_run_as_simulated_has_every_hop_cost_t_comm(name: str) -> None:
+    """Run exactly as simulated, every hop on the path costs T_comm, split into the posting delay and the rest --
+    also where the producer is an overlapped pair's forward half, whose output the pair posts after its backward
+    half (dualpipev: the hop starts at the pair's end, and the backward half's compute stays on the path)."""
+    comm, post = 0.5, 0.125
+    doc, makespan = _trace_as_simulated(name, 4, 8, comm_ms=comm, post_ms=post)
+    path = critical_path(doc, generate(name, 4, 8), 0)
+    hops = [s for s in path.steps if s.link == "hop"]
+    assert hops and all(s.link_ms == pytest.approx(comm) and s.posting_ms == pytest.approx(post) for s in hops)
+    assert path.span_ms == pytest.approx(makespan)
+    assert path.local_gap_ms == pytest.approx(0.0, abs=1e-9)
+    assert path.span_ms == pytest.approx(path.start_ms + path.compute_ms + path.hop_ms)

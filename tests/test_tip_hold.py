@@ -4,6 +4,7 @@ the same plan from the compiled timing and the Python reference."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.generators.tip_hold import end_times, tip_hold
 from zb_pipeline.schedule.generators.v_shape import peak_caps, plan_variants, rank_caps
-from zb_pipeline.schedule.generators.v_shape_codes import cpp, to_codes, to_schedule
+from zb_pipeline.schedule.generators.v_shape_codes import actions_of, cpp, to_codes, to_schedule
 from zb_pipeline.schedule.ir import Kind, v_placement
 from zb_pipeline.schedule.memory import order_peak
 from zb_pipeline.schedule.simulate import simulate
@@ -78,10 +79,48 @@ def test_tip_hold_reference_gives_the_same_plan() -> None:
     assert end_times(p, m, costs, codes, "cpp") == end_times(p, m, costs, codes, "python")
 
 
-def test_tip_hold_kept_only_when_shorter() -> None:
-    """At uniform costs zb-v is at its bound already: nothing is handed back."""
+def _best_other(p: int, m: int, costs: StageCosts):
+    """What ``v_shape`` hands the pass: the other candidates' best (span, codes), and the peak caps."""
+    (span, start), _, caps = _start(p, m, costs)
+    return span, to_codes(start.ranks, m), caps
+
+
+@pytest.mark.parametrize(
+    "case, shorter",
+    [("paper", True), ("w_heavy", False)],  # paper: 46.1 -> 46.0; w_heavy (W = 1.3 F, T_comm = 0.25 F): 60.2 -> 60.5
+)
+def test_tip_hold_kept_only_when_shorter(case: str, shorter: bool) -> None:
+    """``old`` only gates the result: the pass's own plan (asked with ``old`` = inf) comes back exactly when its
+    makespan is strictly under ``old``, within every rank's cap.  Both directions on real plans: at the paper-like
+    costs the pass shortens the other candidates' best, with heavier W's and T_comm it lengthens it."""
+    p, m = 4, 8
+    if case == "paper":
+        costs = _costs(p)
+    else:
+        costs = StageCosts.build(
+            num_ranks=p, chunks=2, stage_to_rank=v_placement(p, 2), f=2.0, b=2.0, w=2.6, comm=0.5, mem_f=1,
+            mem_b=-0.6, mem_w=-0.4,
+        )  # fmt: skip
+    span, codes, caps = _best_other(p, m, costs)
+    own = tip_hold(p, m, costs, codes, math.inf, caps, "python")
+    assert own is not None
+    assert (own[0] < span - 1e-6) is shorter  # each case on its side of the line, not at it
+    assert tip_hold(p, m, costs, codes, span, caps, "python") == (own if shorter else None)
+    assert tip_hold(p, m, costs, codes, own[0], caps, "python") is None  # as long: not kept
+    assert tip_hold(p, m, costs, codes, own[0] + 1e-6, caps, "python") == own  # shorter by a hair: kept
+    assert own[0] == simulate(to_schedule("zb-v", p, m, own[1]), costs).makespan
+    for q in range(p):
+        assert order_peak(actions_of(p, m, own[1][q]), costs) <= caps[q] + 1e-9
+    # A tip cap below the plan's peak: that plan is never handed back; whatever is must keep the lower cap.
+    tight = list(caps)
+    tight[p - 1] = order_peak(actions_of(p, m, own[1][p - 1]), costs) - 0.1
+    got = tip_hold(p, m, costs, codes, math.inf, tight, "python")
+    assert got != own and (got is None or order_peak(actions_of(p, m, got[1][p - 1]), costs) <= tight[p - 1] + 1e-9)
+
+
+def test_tip_hold_hands_nothing_back_at_uniform_costs() -> None:
+    """At uniform costs zb-v is at its bound already: the search finds no earlier last forward, whatever ``old``."""
     p, m = 4, 8
     costs = StageCosts.uniform(2 * p)
-    caps = peak_caps(p, costs, rank_caps("zb-v", p, costs, None))
-    span, sched = min(plan_variants("zb-v", p, m, costs, rank_caps("zb-v", p, costs, None)), key=lambda c: c[0])
-    assert tip_hold(p, m, costs, to_codes(sched.ranks, m), span, caps, "python") is None
+    span, codes, caps = _best_other(p, m, costs)
+    assert tip_hold(p, m, costs, codes, math.inf, caps, "python") is None

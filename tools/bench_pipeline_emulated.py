@@ -120,13 +120,20 @@ def _emulated_rank(
 
 
 def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list, list]:
-    """Host-clock begin of every F/B/BW (keyed like the transfer it produces) and (start, end) of every wait."""
+    """Host-clock begin of every plan step that produces a transfer, keyed like each transfer it produces, with
+    its kind (F, B, BW; ``F+BW`` for both halves of an overlapped pair, begun at its forward half: lowering posts a
+    pair's outputs after the pair), and (start, end) of every wait."""
     produced, waits = [], []
+    pair_begin: dict[str, float] = {}  # a pair (its text) -> its forward half's begin
     for e in events:
         cat, a = e.get("cat"), e.get("args", {})
         if cat in ("F", "B", "BW") and e.get("tid") == 0:
             d = 0 if cat == "F" else 1
-            produced.append(((iteration, d, a["stage"], a["microbatch"]), cat, t0 + e["ts"] / 1e6))
+            begin = t0 + e["ts"] / 1e6
+            pair = a.get("pair")
+            if pair is not None:
+                cat, begin = "F+BW", pair_begin.setdefault(pair, begin)  # the forward half is traced first
+            produced.append(((iteration, d, a["stage"], a["microbatch"]), cat, begin))
         elif cat == "wait" and a.get("kind") in ("RECV_F", "RECV_B"):
             d, s = (0, a["stage"] - 1) if a["kind"] == "RECV_F" else (1, a["stage"] + 1)
             start = t0 + e["ts"] / 1e6
@@ -136,10 +143,12 @@ def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list
 
 def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int, emu: EmulatedCosts = EMU_COSTS) -> float | None:
     """Effective cost of one cross-rank hop inside the running pipeline: for every receive that blocked, the end of
-    the wait minus the moment the producing action was due to end (its start + its emulated cost).  It holds what
-    the ping-pong misses: the sender oversleeping before it posts, the transfer, and the receiver's wake-up.  The
-    mean over the blocked receives: a critical path of n hops costs n times the mean, not the median."""
-    cost = {"F": emu.f_ms, "B": emu.b_ms, "BW": emu.b_ms + emu.w_ms}
+    the wait minus the moment the producing plan step was due to end (its start + its emulated cost; an overlapped
+    pair's: its forward half's start + F + BW, as the simulator times it, since the pair posts both outputs at its
+    end).  It holds what the ping-pong misses: the sender oversleeping before it posts, the transfer, and the
+    receiver's wake-up.  The mean over the blocked receives: a critical path of n hops costs n times the mean, not
+    the median."""
+    cost = {"F": emu.f_ms, "B": emu.b_ms, "BW": emu.b_ms + emu.w_ms, "F+BW": emu.f_ms + emu.b_ms + emu.w_ms}
     due = {}
     for r in results:
         for k, kind, begin in r["cases"][key]["sends"]:

@@ -100,15 +100,17 @@ def _emulated_lines(emu: dict[str, Any]) -> list[str]:
         f"Span: the slowest rank's first compute start to last compute end (trace), median over iterations "
         f"after the first. Targets: span within 3% of the makespan; speed-up within 2 points of the simulated. "
         "In-pipeline T_comm: for every receive that blocked, the end of the wait minus the moment the producing "
-        "action on the other rank was due to end (from the traces, host clock): what a hop really costs in the "
+        "plan step on the other rank was due to end (an overlapped F&B pair's: its start + F + BW, since it posts "
+        "both outputs at its end; from the traces, host clock): what a hop really costs in the "
         "running pipeline -- the sender oversleeping before it posts, the transfer, the receiver's wake-up on "
         "the busy host; its mean (a chain of hops adds up their mean, not their median) and the simulation with "
         "it are shown beside. Hops: how many cross-rank hops the simulated critical path holds (the makespan's "
         "growth per ms of T_comm), i.e. how much a per-hop error weighs. Measured path: the critical path of the "
         "last iteration walked back through the trace (`zb_pipeline.schedule.critical_path`; what `zb-schedule "
-        "show --trace` prints): its hops and their mean length split into *posting* (the producer's end to its "
-        "send posted, `isend` returned) and *transit* (posted to the consumer's start: transfer, wake-up), and "
-        "the sum of the gaps between consecutive actions of a rank on the path.",
+        "show --trace` prints): its hops and their mean length split into *posting* (the producing step's end -- "
+        "a pair's: its backward half's -- to its send posted, `isend` returned) and *transit* (posted to the "
+        "consumer's start: transfer, wake-up), and the sum of the gaps between consecutive actions of a rank on "
+        "the path.",
         "",
         "| p | m | schedule | measured span ms | simulated ms | error | hops | in-pipeline T_comm ms (mean): "
         "simulated (error) | measured path: hops, mean hop ms = posting + transit; local gaps ms "

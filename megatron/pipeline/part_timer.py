@@ -80,6 +80,7 @@ class PartTimer:
         self._last_layer_end: Any = None
         self._emb_start: Any = None
         self._handles: list[Any] = []
+        self._timed_b: dict[int, Any] | None = None  # stage -> its module, where B is timed (built at window open)
         self._owner = {  # id(module) -> its stage: F is timed unless the stage recomputes whole layers
             id(m): stage
             for stage in self.stages.values()
@@ -111,6 +112,15 @@ class PartTimer:
 
     def _begin_iteration(self, ex: Any) -> None:
         self.active = self.start_iter <= ex.iteration < self.end_iter
+        if self.active and self._timed_b is None:  # the recompute in force in the window, looked up once
+            self._timed_b = {s: m for s, m in self.stages.items() if self._times_b(m)}
+
+    def _times_b(self, module: Any) -> bool:
+        """Whether ``module``'s B is timed: not a full-recompute stage (its layers' hooks never fire), nor, with
+        ``layers_without_recompute``, a stage that recomputes anything (its B holds the recompute)."""
+        if module.recompute_segments:
+            return False
+        return not (self.layers_without_recompute and recomputes(module))
 
     def _in_forward(self) -> bool:
         """Inside an F action of the window (not B's recompute)."""
@@ -189,10 +199,8 @@ class PartTimer:
     # -- B ----------------------------------------------------------------------------------------------------
     def _wrap_b(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def handler(ex: Any, a: Any) -> Any:
-            module = self.stages.get(a.stage)
-            if not self.active or module is None or module.recompute_segments:
-                return inner(ex, a)
-            if self.layers_without_recompute and recomputes(module):  # its B holds the recompute
+            module = self._timed_b.get(a.stage) if self.active else None
+            if module is None:
                 return inner(ex, a)
             self._in_b, self._marks = True, {}
             try:

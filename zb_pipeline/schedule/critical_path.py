@@ -9,7 +9,11 @@ finds the measured chain and splits it, so the difference can be attributed inst
   action on its rank (a *local gap*: the runtime's time between two actions: posting transfers, bookkeeping);
 - every hop splits at the moment the producer's send was posted (the trace's comm event, stamped once ``isend``
   returned): *posting* = producer end -> send posted (the sender's runtime path and the send call itself),
-  *transit* = send posted -> consumer start (the transfer, the receiver's wake-up and its bookkeeping).
+  *transit* = send posted -> consumer start (the transfer, the receiver's wake-up and its bookkeeping);
+- an overlapped pair (``ir.PairAction``, traced as its two halves) is one step, as lowering makes it: it receives
+  both halves' inputs before its forward half and posts both outputs after its backward half.  So a hop from either
+  half leaves at the pair's end (the backward half stays on the path as compute, not as posting), and the pair's
+  inputs, whichever half they feed, release its forward half.
 
 So ``span = start + compute + local gaps + hops`` holds exactly (up to the trace's microsecond rounding), and
 ``hops`` is the measured counterpart of the simulator's ``hops x T_comm``.  Times are the trace's own (each rank's
@@ -23,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from zb_pipeline.schedule.ir import Action, Kind, Schedule
+from zb_pipeline.schedule.ir import Action, Kind, PairAction, Schedule, halves
 from zb_pipeline.schedule.lowering import SLOT_F, action_deps
 from zb_pipeline.schedule.trace_timeline import measured_iteration
 
@@ -109,6 +113,15 @@ def _producer(a: Action, num_stages: int, m: int, ran: Mapping[tuple[int, Kind, 
     return (s, Kind.B, mb) if (s, Kind.B, mb) in ran else (s, Kind.BW, mb)
 
 
+def _key(a: Action) -> tuple[int, Kind, int]:
+    return (a.stage, a.kind, a.microbatch)
+
+
+def _pairs(schedule: Schedule) -> dict[tuple[int, Kind, int], PairAction]:
+    """Each half of an overlapped pair of ``schedule`` -> the pair (the trace records the halves as two actions)."""
+    return {_key(h): step for acts in schedule.ranks for step in acts if type(step) is PairAction for h in halves(step)}
+
+
 def critical_path(
     doc: Mapping[str, Any], schedule: Schedule, iteration: int, *, blocked_ms: float = BLOCKED_MS
 ) -> CriticalPath:
@@ -137,24 +150,48 @@ def critical_path(
             posted[(cat, a["stage"], a["microbatch"])] = (ev["ts"] - meas.t0_us) / 1e3
     if not ran:
         return CriticalPath(iteration, ())
+    pairs = _pairs(schedule)
+    S, m = schedule.num_stages, schedule.num_microbatches
+
+    def step_end(k: tuple[int, Kind, int]) -> tuple[int, Kind, int]:
+        """The key of the half that ends ``k``'s plan step: a pair posts both outputs after its backward half."""
+        pair = pairs.get(k)
+        return k if pair is None else _key(pair.backward)
+
     key = max(ran, key=lambda k: ran[k][1].end)
     steps: list[PathStep] = []
     while True:
         r, sp = ran[key]
         a = sp.action
-        dep = _producer(a, schedule.num_stages, schedule.num_microbatches, ran)
         prev = before[key]
+        pair = pairs.get(key)
+        # What the step waited for: a pair's inputs all came before its forward half (lowering), so the forward half
+        # takes both halves' inputs and the backward half only follows it.
+        consumers = (a,) if pair is None else (pair.forward, pair.backward) if a.kind is Kind.F else ()
         link, link_ms, posting, nxt = "start", 0.0, None, None
-        if dep is not None and dep in ran and ran[dep][0] != r:
-            recv = "RECV_F" if a.kind is Kind.F else "RECV_B"
-            if waited.get((recv, a.stage, a.microbatch), 0.0) > blocked_ms or prev is None:
-                psp = ran[dep][1]
-                link, link_ms, nxt = "hop", sp.start - psp.end, dep
-                send = ("SEND_F", dep[0], dep[2]) if recv == "RECV_F" else ("SEND_B", dep[0], dep[2])
-                if send in posted:
-                    posting = posted[send] - psp.end
-        elif dep is not None and dep in ran and ran[dep][0] == r and (prev is None or ran[dep][1].end > prev.end):
-            link, link_ms, nxt = "local-dep", sp.start - ran[dep][1].end, dep
+        hop = local_dep = None
+        for c in consumers:
+            dep = _producer(c, S, m, ran)
+            if dep is None or dep not in ran:
+                continue
+            src = step_end(dep)
+            if ran[dep][0] != r:
+                recv = "RECV_F" if c.kind is Kind.F else "RECV_B"
+                blocked = waited.get((recv, c.stage, c.microbatch), 0.0) > blocked_ms or prev is None
+                if blocked and (hop is None or ran[src][1].end > ran[hop[1]][1].end):
+                    hop = (recv, src, dep)
+            elif prev is None or ran[src][1].end > prev.end:
+                if local_dep is None or ran[src][1].end > ran[local_dep][1].end:
+                    local_dep = src
+        if hop is not None:
+            recv, src, dep = hop
+            psp = ran[src][1]
+            link, link_ms, nxt = "hop", sp.start - psp.end, src
+            send = ("SEND_F" if recv == "RECV_F" else "SEND_B", dep[0], dep[2])
+            if send in posted:
+                posting = posted[send] - psp.end
+        elif local_dep is not None:
+            link, link_ms, nxt = "local-dep", sp.start - ran[local_dep][1].end, local_dep
         if link == "start" and prev is not None:
             link, link_ms = "local", sp.start - prev.end
             nxt = (prev.action.stage, prev.action.kind, prev.action.microbatch)
