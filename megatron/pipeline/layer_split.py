@@ -50,9 +50,11 @@ def auto_layer_split(
     bytes_per_element: int,
     recompute: tuple[RecomputeOption, ...] = (),
     mem_limit: float | None = None,
+    on_cuda: bool = False,
 ) -> PipelineLayout:
     """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
-    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank."""
+    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a
+    GPU (the analytic activation bytes follow its kernels)."""
     if schedule_file is not None:
         raise ConfigError(
             "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
@@ -63,6 +65,7 @@ def auto_layer_split(
         micro_batch_size=micro_batch_size,
         bytes_per_element=bytes_per_element,
         recompute=recompute,
+        on_cuda=on_cuda,
     )
     shape = dict(
         schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
