@@ -159,11 +159,81 @@ def layer_activation_bytes_per_token(config: GPTConfig, bytes_per_element: int, 
     ) + attention_core_saved_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda)
 
 
+def layer_weight_grad_bytes_per_token(config: GPTConfig, bytes_per_element: int) -> float:
+    """What one layer holds after its B until its W, per token, whatever the recompute: each deferred weight GEMM's
+    operands -- the QKV, output projection and MLP linears' inputs and their output gradients."""
+    q = config.num_attention_heads * config.kv_channels
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    inputs = h + q + h + ffn
+    grads = qkv_projection_bytes_per_token(config, 1) + h + (2 if config.swiglu else 1) * ffn + h
+    return (inputs + grads) * bytes_per_element
+
+
+def full_recompute_transient_bytes_per_token(
+    config: GPTConfig, bytes_per_element: int, *, on_cuda: bool = False
+) -> float:
+    """What B holds while it recomputes a layer under full recompute, above what F kept of it, per token: the
+    rebuilt layer's graph, all of it but the input."""
+    return layer_activation_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda) - layer_input_bytes_per_token(
+        config, bytes_per_element
+    )
+
+
+def selective_recompute_transient_bytes_per_token(
+    config: GPTConfig, bytes_per_element: int, *, on_cuda: bool = False
+) -> float:
+    """What B holds while it recomputes a layer's core attention, above what F kept of the layer, per token (may be
+    negative: then it holds less than before B).  By then the MLP, the pre-MLP norm and the output projection have
+    run their backward: the MLP's inner tensors (but the second linear's input, an operand of its W), the residual
+    sum, the norm's own tensors and the dropout masks are gone, the three linears' output gradients wait for W; the
+    core's graph is rebuilt (with the fused kernel its output too, a new tensor)."""
+    e = bytes_per_element
+    h, q, ffn = config.hidden_size, config.num_attention_heads * config.kv_channels, config.ffn_hidden_size
+    rebuilt = attention_core_saved_bytes_per_token(config, e, on_cuda=on_cuda)
+    if attention_is_fused(config, on_cuda=on_cuda):
+        rebuilt += q * e
+    grads = (h + (2 if config.swiglu else 1) * ffn + h) * e
+    freed = (
+        mlp_saved_bytes_per_token(config, e)
+        - ffn * e
+        + h * e
+        + norm_saved_bytes(config, e, h)
+        + hidden_dropout_bytes_per_token(config, e, on_cuda=on_cuda)
+    )
+    return rebuilt + grads - freed
+
+
+def selective_recompute_bw_transient_bytes_per_token(
+    config: GPTConfig, bytes_per_element: int, *, on_cuda: bool = False
+) -> float:
+    """``selective_recompute_transient_bytes_per_token`` inside a fused BW, whose W work runs as it goes: by the
+    core's recompute the MLP, the pre-MLP norm and the output projection have freed all they kept (the linears'
+    inputs too) and hold no gradients."""
+    e = bytes_per_element
+    h, q = config.hidden_size, config.num_attention_heads * config.kv_channels
+    rebuilt = attention_core_saved_bytes_per_token(config, e, on_cuda=on_cuda)
+    if attention_is_fused(config, on_cuda=on_cuda):
+        rebuilt += q * e
+    freed = (
+        mlp_saved_bytes_per_token(config, e)
+        + (2 * h + q) * e
+        + norm_saved_bytes(config, e, h)
+        + hidden_dropout_bytes_per_token(config, e, on_cuda=on_cuda)
+    )
+    return rebuilt - freed
+
+
 def head_activation_bytes_per_token(config: GPTConfig, padded_vocab_size: int, bytes_per_element: int) -> float:
     """What the head keeps for its backward, per token: the final norm's input, its own tensors and its output (the
     output layer's input), the fp32 softmax of the logits (the loss's backward) and the labels (int64)."""
     e = bytes_per_element
     return 2 * config.hidden_size * e + norm_saved_bytes(config, e, config.hidden_size) + 4.0 * padded_vocab_size + 8
+
+
+def head_weight_grad_bytes_per_token(config: GPTConfig, padded_vocab_size: int, bytes_per_element: int) -> float:
+    """What the head holds after its B until its W, per token: the output layer's input and the fp32 logits'
+    gradient."""
+    return config.hidden_size * bytes_per_element + 4.0 * padded_vocab_size
 
 
 def embedding_activation_bytes_per_token(
@@ -186,18 +256,32 @@ def recompute_options(
 ) -> tuple[RecomputeOption, ...]:
     """``--recompute-granularity auto``'s choices for one layer and microbatch: selective re-runs the core attention
     in B and keeps the QKV projection instead of the core's tensors; full re-runs the whole layer's forward and
-    keeps its input.  After B a pending W holds its GEMMs' operands whatever the choice, modelled as the layer's
-    activations without recompute (``mem_f + mem_b`` is the same for every option).  ``on_cuda``: the stages run
-    on a GPU (its attention kernel and dropout keep less)."""
-    tokens = config.seq_length * micro_batch_size
+    keeps its input.  After B a pending W holds its GEMMs' operands whatever the choice (``mem_f + mem_b`` is the
+    same for every option); while B (a fused BW) recomputes a layer it holds ``transient`` (``transient_bw``) above
+    what F kept of it.
+    ``on_cuda``: the stages run on a GPU (its attention kernel and dropout keep less)."""
+    e, tokens = bytes_per_element, config.seq_length * micro_batch_size
     scale = tokens / GFLOP
-    held = layer_activation_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda) * tokens
-    selective = layer_selective_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda) * tokens
-    full = layer_input_bytes_per_token(config, bytes_per_element) * tokens
-    core = attention_core_flops_per_token(config)
+    held = layer_weight_grad_bytes_per_token(config, e) * tokens
+    selective = layer_selective_bytes_per_token(config, e, on_cuda=on_cuda) * tokens
+    full = layer_input_bytes_per_token(config, e) * tokens
     return (
-        RecomputeOption("selective", b_extra=core * scale, mem_f=selective, mem_b=held - selective),
-        RecomputeOption("full", b_extra=layer_forward_flops_per_token(config) * scale, mem_f=full, mem_b=held - full),
+        RecomputeOption(
+            "selective",
+            b_extra=attention_core_flops_per_token(config) * scale,
+            mem_f=selective,
+            mem_b=held - selective,
+            transient=selective_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
+            transient_bw=selective_recompute_bw_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
+        ),
+        RecomputeOption(
+            "full",
+            b_extra=layer_forward_flops_per_token(config) * scale,
+            mem_f=full,
+            mem_b=held - full,
+            transient=full_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
+            transient_bw=full_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
+        ),
     )
 
 
@@ -225,6 +309,11 @@ def model_costs(
             b=(lin + 2 * core) * scale,
             w=lin * scale,
             mem_f=layer_activation_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda) * tokens,
+            mem_b=(
+                layer_weight_grad_bytes_per_token(config, bytes_per_element)
+                - layer_activation_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda)
+            )
+            * tokens,
         ),
         embedding=PartCosts(
             f=emb * scale,
@@ -240,6 +329,11 @@ def model_costs(
             b=(head + loss) * scale,
             w=head * scale,
             mem_f=head_activation_bytes_per_token(config, padded_vocab_size, bytes_per_element) * tokens,
+            mem_b=(
+                head_weight_grad_bytes_per_token(config, padded_vocab_size, bytes_per_element)
+                - head_activation_bytes_per_token(config, padded_vocab_size, bytes_per_element)
+            )
+            * tokens,
         ),
         recompute=recompute,
     )
