@@ -7,8 +7,8 @@ Two ranks run one profiled iteration of each schedule with and without recompute
   F keeps plus one B's transient; a split schedule's peak is what F keeps plus what the pending W's hold;
 - zb-auto with full recompute, limited to 1F1B-with-full-recompute's measured peak, simulates no slower than 1F1B
   with full recompute, and its plan's predicted peak stays within that limit;
-- the stage planner's per-part model -- analytic at start-up, or derived from one window -- with the transient of a
-  recomputing B (BW) predicts each stage's transient and each rank's peak within 5%.
+- the stage planner's per-part model with the transient of a recomputing B (BW) predicts, analytic at start-up, each
+  stage's transient and each rank's peak, and derived from one window each rank's peak, within 5%.
 """
 
 from __future__ import annotations
