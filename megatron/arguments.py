@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from megatron.batch_schedule import BatchSizeSchedule, iterations_for_samples, ramp_up_sizes
 from megatron.checkpoint_args import apply_checkpoint_args
 from megatron.config.checkpoint import CheckpointConfig
@@ -445,6 +447,7 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
     ):
         return run
     bytes_per_element = 2 if run.precision.name in ("bf16", "fp16") else 4
+    on_cuda = torch.cuda.is_available()  # the stages run on the GPU when there is one (NCCL, parallel.context)
     layout = auto_layer_split(
         layout,
         run.model,
@@ -455,11 +458,15 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
         num_microbatches=run.num_microbatches,
         bytes_per_element=bytes_per_element,
         recompute=recompute_options(
-            run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element
+            run.model,
+            micro_batch_size=run.training.micro_batch_size,
+            bytes_per_element=bytes_per_element,
+            on_cuda=on_cuda,
         )
         if run.recompute.auto
         else (),
         mem_limit=memory_limit_bytes(run.parallel),
+        on_cuda=on_cuda,
     )
     recompute = run.recompute
     if recompute.auto:  # --recompute-granularity auto: the planner's choice per virtual stage

@@ -5,6 +5,10 @@ profiling window may need more.  Then every rank stops at the end of the window 
 line naming the limit, the smallest limit that works and the flag, and nothing hangs or prints a traceback.  The
 runtime's own case -- zb-auto's re-plan under a byte limit that no plan meets -- raises ``MeasuredLimitError`` on
 every rank alike.
+
+On the CPU the analytic layer bytes equal the profiler's saved-tensor bytes (``tests/test_activation_bytes.py``),
+so the trainer's runs here scale them by ``UNDERESTIMATE`` (in each rank's process, ``_analytic_underestimates``):
+an analytic model that underestimates, as it does where the kernels or the allocator keep more than it counts.
 """
 
 from __future__ import annotations
@@ -12,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from collections.abc import Iterator
 
 import pytest
 
 from zb_pipeline.testing.harness import run_multiprocess
 
-# The model of tests/test_resplit.py; the analytic model's smallest limit for it (pp = 2, zb-h1, m = 4) is
-# 0.000148774 GiB, the measured activations (CPU saved-tensor bytes) need about 0.00018 GiB.
+# The model of tests/test_resplit.py; with the layer bytes scaled by UNDERESTIMATE the analytic model's smallest limit
+# for it (pp = 2, zb-h1, m = 4) is 0.000144005 GiB, the measured activations (CPU saved-tensor bytes) need about
+# 0.00018 GiB.
+UNDERESTIMATE = 0.7
 LIMIT_GB = 0.00015
-ANALYTIC_SMALLEST_GB = 0.000148774
+ANALYTIC_SMALLEST_GB = 0.000144005
 ARGV = [
     "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
     "--vocab-size", "120", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4",
@@ -37,6 +44,19 @@ LINE = re.compile(
 )
 
 
+@contextlib.contextmanager
+def _analytic_underestimates() -> Iterator[None]:
+    """The analytic bytes F keeps of a layer without recompute scaled by ``UNDERESTIMATE``, restored after."""
+    from megatron.model import cost_model
+
+    exact = cost_model.layer_activation_bytes_per_token
+    cost_model.layer_activation_bytes_per_token = lambda *a, **k: UNDERESTIMATE * exact(*a, **k)
+    try:
+        yield
+    finally:
+        cost_model.layer_activation_bytes_per_token = exact
+
+
 def _main(rank: int, world_size: int, argv: list[str]) -> tuple[int, str, str]:
     import torch
 
@@ -44,15 +64,19 @@ def _main(rank: int, world_size: int, argv: list[str]) -> tuple[int, str, str]:
 
     torch.set_num_threads(1)
     err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), _analytic_underestimates():
         code = pretrain_gpt.main(argv)
     return code, err.getvalue(), out.getvalue()
 
 
 def test_limit_the_measured_memory_exceeds_exits_2_at_the_window_end() -> None:
     from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
 
-    parse_run_config(ARGV, world_size=2)  # the analytic model accepts the limit at start-up
+    with pytest.raises(ConfigError, match="the smallest limit that works is 0.000180722 GiB"):
+        parse_run_config(ARGV, world_size=2)  # the exact analytic model refuses the limit at start-up
+    with _analytic_underestimates():
+        parse_run_config(ARGV, world_size=2)  # the underestimating one accepts it
     (code0, err0, out0), (code1, err1, _) = run_multiprocess(_main, 2, args=(ARGV,), timeout_s=120)
     assert (code0, code1) == (2, 2), (err0, err1)
     lines = err0.splitlines()

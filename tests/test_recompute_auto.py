@@ -257,6 +257,10 @@ def test_window_decision_is_the_fastest_candidate_within_the_limit(where) -> Non
     ]
     assert decision.current_recompute == start
     assert decision.changes == (tuple(decision.plan.layers) != (3, 3) or tuple(decision.plan.recompute) != start)
-    assert f"recompute per stage {', '.join(decision.plan.recompute)} (was full, none)" in decision.summary()
+    chosen = ", ".join(decision.plan.recompute)
+    assert f"; --recompute-granularity auto: recompute per stage {chosen} (was full, none)" in decision.summary()
+    # not auto (the recompute in force is not decided): the line names no recompute choice
+    kept = measured_layer_split(profile, layout, num_microbatches=M, mem_limit=limit)
+    assert kept.current_recompute is None and "recompute per stage" not in kept.summary(), kept.summary()
     if where.startswith("below"):  # here the fastest way to fit recomputes some stages, not all
         assert "none" in decision.plan.recompute and set(decision.plan.recompute) != {"none"}, decision.plan

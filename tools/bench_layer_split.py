@@ -1,7 +1,7 @@
 """The stage planner measured through ``pretrain_gpt.py`` on ``make train``'s model (issue 22's balance targets).
 
     python tools/bench_layer_split.py [--out bench/results] [--rounds N] [--iters N] [--quick]
-    python tools/bench_layer_split.py --recompute [--limit-gb X] [--out bench/results] [--rounds N] [--iters N]
+    python tools/bench_layer_split.py --recompute [--limit-gb X|midpoint] [--out DIR] [--rounds N] [--iters N]
 
 Set-up (both modes): ``make train``'s model (``tools/make_train.py``'s ``MODEL_FLAGS``: 4 layers, hidden 128, 4
 heads, sequence 128, no dropout) with ``--mock-data --vocab-size 4096``, micro-batch 2, global batch 8 (m = 4), on
@@ -18,9 +18,11 @@ measured time per iteration outside the pipeline's actions).  Reported: measured
 even, measured over predicted auto iteration, and whether the losses of the two splits are identical.  Writes
 ``layer_split.md`` / ``.json``.
 
-``--recompute``, the recompute choice under a memory limit (zb-auto): ``--pipeline-memory-limit-gb X`` (by default
-the midpoint of ZB-H1's and ZB-H2's peaks on the auto split without recompute, measured in a profiling window by one
-launch of each; the report says where ``--limit-gb`` lies against those peaks) for three cases, each with
+``--recompute``, the recompute choice under a memory limit (zb-auto): ``--pipeline-memory-limit-gb X``
+(``--limit-gb``, by default ``RECOMPUTE_LIMIT_GB``: below ZB-H1's peak, where the planner recomputes the first stage;
+between ZB-H1's and ZB-H2's peaks it takes no recompute on this model; ``--limit-gb midpoint`` takes their midpoint;
+the peaks, on the auto split without recompute, are measured in a profiling window by one launch of each, and the
+report says where the limit lies against them) for three cases, each with
 ``--pipeline-layer-split auto``: the planner's ``--recompute-granularity auto``, whose split and per-stage choice the
 profiling window re-decides from measured costs; full recompute everywhere (``full``, ``uniform``, 1 layer); no
 recompute, where zb-auto plans within the same limit (the largest memory that fits).  Reported: each case's
@@ -54,6 +56,7 @@ from megatron.pipeline.layer_split import GIB, PREDICTION  # noqa: E402
 DATA = ["--mock-data", "--vocab-size", "4096"]
 WINDOW = (3, 8)  # the profiling window, iterations [3, 8)
 ITER_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+).*?lm loss: (\S+)")
+RECOMPUTE_LIMIT_GB = "0.0072"  # --recompute's default --limit-gb (docs/planner.md, docs/benchmarks.md cite its run)
 RECOMPUTE = {
     "auto": ["--recompute-granularity", "auto"],
     "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
@@ -212,7 +215,7 @@ def measured_peaks_gb(iters: int) -> dict[str, float]:
 def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, list[str]]:
     peaks = measured_peaks_gb(args.iters)
     h1, h2 = peaks["zb-h1"], peaks["zb-h2"]
-    limit = args.limit_gb if args.limit_gb is not None else float(f"{(h1 + h2) / 2:.6g}")
+    limit = float(f"{(h1 + h2) / 2:.6g}") if args.limit_gb == "midpoint" else float(args.limit_gb)
     base = base_flags("zb-auto", args.iters) + ["--pipeline-layer-split", "auto", "--pipeline-memory-limit-gb"]
     cases = {name: base + [f"{limit:g}", *flags] for name, flags in RECOMPUTE.items()}
     t0 = time.time()
@@ -284,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=24, help="iterations per launch")
     ap.add_argument("--skip", type=int, default=WINDOW[1] + 2, help="iterations dropped from each launch")
     ap.add_argument("--recompute", action="store_true", help="the recompute choice under a memory limit")
-    ap.add_argument("--limit-gb", type=float, default=None, help="--recompute: the limit (default: the midpoint)")
+    ap.add_argument(
+        "--limit-gb",
+        default=RECOMPUTE_LIMIT_GB,
+        help=f"--recompute: the limit in GiB, or 'midpoint' of ZB-H1's and ZB-H2's peaks ({RECOMPUTE_LIMIT_GB})",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.iters = 2, 14

@@ -83,8 +83,8 @@ BENCHMARKS: list[Benchmark] = [
     Benchmark(
         "layer_split_recompute",
         "tools/bench_layer_split.py",
-        "--recompute-granularity auto against full and no recompute under a memory limit between ZB-H1's and "
-        "ZB-H2's peaks, make train's model, zb-auto, pp = 2",
+        "--recompute-granularity auto against full and no recompute under a memory limit below ZB-H1's peak (the "
+        "tool's default --limit-gb), make train's model, zb-auto, pp = 2",
         timeout_s=1800.0,
         extra_args=("--recompute",),
     ),

@@ -50,9 +50,11 @@ def auto_layer_split(
     bytes_per_element: int,
     recompute: tuple[RecomputeOption, ...] = (),
     mem_limit: float | None = None,
+    on_cuda: bool = False,
 ) -> PipelineLayout:
     """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
-    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank."""
+    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a
+    GPU (the analytic activation bytes follow its kernels)."""
     if schedule_file is not None:
         raise ConfigError(
             "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
@@ -63,6 +65,7 @@ def auto_layer_split(
         micro_batch_size=micro_batch_size,
         bytes_per_element=bytes_per_element,
         recompute=recompute,
+        on_cuda=on_cuda,
     )
     shape = dict(
         schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
@@ -182,7 +185,6 @@ def measured_layer_split(
     predict = costs if means is None else ModelCosts.from_dict(means)
     even = even_split(costs.num_layers, sched.num_stages)
     even_time = None if even is None else simulated(predict, even, None)
-    none = (NO_RECOMPUTE,) * len(layout.layers_per_stage)
     return MeasuredSplit(
         plan=plan,
         current=layout.layers_per_stage,
@@ -192,7 +194,7 @@ def measured_layer_split(
         even=even,
         even_iteration=even_time,
         step=predict.step,
-        current_recompute=none if recompute is None else tuple(recompute),
+        current_recompute=None if recompute is None else tuple(recompute),
     )
 
 
@@ -210,7 +212,8 @@ class MeasuredSplit:
     even: tuple[int, ...] | None = None  # the even split (None: the layers do not divide evenly)
     even_iteration: float | None = None  # its predicted iteration (ms)
     step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
-    current_recompute: tuple[str, ...] | None = None  # the recompute choice per virtual stage in force (None: none)
+    # --recompute-granularity auto: the recompute choice per virtual stage in force (None: not auto, not decided)
+    current_recompute: tuple[str, ...] | None = None
 
     @property
     def moves_layers(self) -> bool:
@@ -238,8 +241,9 @@ class MeasuredSplit:
             ratio = predicted / self.even_iteration
             text += f"; even split {list(self.even)}: {self.even_iteration:.2f} ms, chosen / even {ratio:.3f}"
         text += f"; {self.step:.2f} ms per iteration outside the pipeline's actions)"
-        if self.current_recompute is not None:
-            text += f"; recompute per stage {', '.join(self.plan.recompute)} (was {', '.join(self.current_recompute)})"
+        if self.current_recompute is not None:  # decided with the split
+            chosen, was = ", ".join(self.plan.recompute), ", ".join(self.current_recompute)
+            text += f"; --recompute-granularity auto: recompute per stage {chosen} (was {was})"
         if self.moves_layers:
             text += "; moving the layers at this iteration boundary"
         elif self.recompute_changes:

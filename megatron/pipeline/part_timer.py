@@ -35,6 +35,10 @@ in the window; ``--recompute-granularity auto``), from the same measurements:
   each stage's measured saved-tensor bytes over the analytic bytes *with the choice that stage ran* (so a window
   where some stages recompute calibrates the others' options too); after B the option holds what the layer without
   recompute holds (the deferred W's operands), so its ``mem_b`` is the layer's ``mem_f + mem_b`` minus its ``mem_f``;
+- what B holds while it recomputes a layer under each option (``RecomputeOption.transient``): where a stage ran it,
+  that stage's measured B transient less what the stage's other layers and head add to it
+  (``stage_planner.recompute_rest``), the median over those stages; else its analytic bytes times the calibration
+  factor;
 - the stage totals the remainders are calibrated against (``_calibrate``) count each stage's layers with its own
   choice, so the parts add up to every measured stage under the choice it ran.
 
@@ -55,7 +59,7 @@ from zb_pipeline import comm
 from zb_pipeline.runtime.profiler import clock_mark
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.profile import Profile
-from zb_pipeline.schedule.stage_planner import ModelCosts, RecomputeOption
+from zb_pipeline.schedule.stage_planner import ModelCosts, RecomputeOption, recompute_rest
 
 PARTS = ("embedding", "layer", "head")
 
@@ -342,7 +346,7 @@ def combine_parts(
         parts[part] = {"f": f, "b": b, "w": w}
     _memory(parts, profile, analytic, opts)
     ran = _measured_recompute(parts, profile, held, opts)
-    options = _measured_options(analytic, parts["layer"], ran)
+    options = _measured_options(analytic, parts, ran, profile, opts)
     extra = [0.0] + [o.b_extra for o in options]  # what each option adds to a layer's B
 
     def cost(s: int, part: str, kind: str) -> float:
@@ -410,13 +414,19 @@ def _measured_recompute(
 
 
 def _measured_options(
-    analytic: ModelCosts, layer: dict[str, float], ran: dict[int, float]
+    analytic: ModelCosts,
+    parts: dict[str, dict[str, float]],
+    ran: dict[int, float],
+    profile: Profile,
+    opts: list[int],
 ) -> tuple[RecomputeOption, ...]:
     """``analytic``'s recompute options under the window's measured layer (module docstring): B re-runs what
     the option recomputes -- measured where a stage ran it (``ran``: option index -> B time added per layer), else
     its share of the measured layer forward; F keeps the option's analytic bytes times the layer's calibration
-    factor (its measured over analytic ``mem_f``); after B the option holds what the layer holds."""
-    a = analytic.layer
+    factor (its measured over analytic ``mem_f``); after B the option holds what the layer holds; while B
+    recomputes, the transient measured where a stage ran it (``opts``: each stage's option), else the analytic one
+    calibrated."""
+    a, layer = analytic.layer, parts["layer"]
     time_scale = layer["f"] / a.f if a.f > 0 else 1.0
     mem_scale = layer["mem_f"] / a.mem_f if a.mem_f > 0 else 1.0
     held = layer["mem_f"] + layer["mem_b"]  # what waits for W after B, whatever the choice
@@ -424,8 +434,34 @@ def _measured_options(
     for i, o in enumerate(analytic.recompute, start=1):
         keeps = o.mem_f * mem_scale
         b_extra = ran.get(i, o.b_extra * time_scale)
-        out.append(RecomputeOption(o.name, b_extra=b_extra, mem_f=keeps, mem_b=held - keeps))
+        swap, head = held - keeps, parts["head"]["mem_b"]
+        measured = _measured_transient(profile, opts, i, swap=swap, head=head)
+        transient = o.transient * mem_scale if measured is None else measured
+        out.append(
+            RecomputeOption(
+                o.name,
+                b_extra=b_extra,
+                mem_f=keeps,
+                mem_b=held - keeps,
+                transient=transient,
+                # a BW holds less (no W waits): the analytic difference, calibrated
+                transient_bw=transient - (o.transient - o.transient_bw) * mem_scale,
+            )
+        )
     return tuple(out)
+
+
+def _measured_transient(profile: Profile, opts: list[int], option: int, *, swap: float, head: float) -> float | None:
+    """One layer's B transient under ``option`` from the stages that ran it: each one's measured B transient less
+    ``recompute_rest`` of its other layers and head, their median (None: no stage ran it, or none measured one)."""
+    measured = profile.mem_b_transient
+    last = profile.num_stages - 1
+    found = [
+        measured[s] - recompute_rest(num_layers=n, swap=swap, head=head if s == last else 0.0)
+        for s, (o, n) in enumerate(zip(opts, profile.stage_layers))
+        if o == option and n and measured and measured[s] > 0
+    ]
+    return float(statistics.median(found)) if found else None
 
 
 def _calibrate(

@@ -285,8 +285,9 @@ def _measure_split(
         pipe.runtime, start_iter=replanner.start_iter, end_iter=replanner.end_iter, layers_without_recompute=auto
     )
     bytes_per_element = run.precision.params_dtype.itemsize
+    on_cuda = ctx.device.type == "cuda"
     options = recompute_options(
-        run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element
+        run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda
     )
     analytic = model_costs(
         run.model,
@@ -294,6 +295,7 @@ def _measure_split(
         micro_batch_size=run.training.micro_batch_size,
         bytes_per_element=bytes_per_element,
         recompute=options if auto else (),
+        on_cuda=on_cuda,
     )
     chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
 

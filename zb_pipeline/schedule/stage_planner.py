@@ -83,20 +83,44 @@ class PartCosts:
 @dataclass(frozen=True)
 class RecomputeOption:
     """What recomputing one transformer layer does: B re-runs (part of) the forward, ``b_extra`` more time; F then
-    keeps ``mem_f`` (the layer's input, ...) and B adds ``mem_b`` (what W needs minus what it freed)."""
+    keeps ``mem_f`` (the layer's input, ...) and B adds ``mem_b`` (what W needs minus what it freed).  While B
+    recomputes the layer it holds ``transient`` above what F kept of it (the rebuilt graph less what the layer's
+    backward has freed by then); ``transient_bw`` the same inside a fused BW, whose W work runs as it goes
+    (``ModelCosts.stage_transient`` makes a stage's of them)."""
 
     name: str
     b_extra: float
     mem_f: float
     mem_b: float = 0.0
+    transient: float = 0.0
+    transient_bw: float = 0.0
 
     def __post_init__(self) -> None:
         if self.name == NO_RECOMPUTE:
             raise ValueError(f"recompute option name {NO_RECOMPUTE!r} is reserved for no recompute")
         PartCosts(f=0.0, b=self.b_extra, w=0.0, mem_f=self.mem_f, mem_b=self.mem_b)  # same checks
+        if not (math.isfinite(self.transient) and math.isfinite(self.transient_bw)):
+            raise ValueError(f"recompute option {self.name!r}: transients must be finite")
 
     def apply(self, layer: PartCosts) -> PartCosts:
         return PartCosts(f=layer.f, b=layer.b + self.b_extra, w=layer.w, mem_f=self.mem_f, mem_b=self.mem_b)
+
+
+def recompute_rest(*, num_layers: int, swap: float, head: float = 0.0) -> float:
+    """What a recomputing B (or BW) of a stage holds, beyond the first layer's own transient, above the sum before
+    it when that layer recomputes: the head's backward ran first (``head``: what it added, on the last stage), then
+    the layers last to first, each adding ``swap`` (in a B: what waits for its W less what F kept of it; in a BW:
+    less what F kept).  The layers' recomputes are alike, so the first layer's is the highest when ``swap >= 0``,
+    else the last layer's, before any swap."""
+    return max(0.0, (num_layers - 1) * swap) + head
+
+
+def recompute_transient(transient: float, *, num_layers: int, swap: float, head: float = 0.0) -> float:
+    """``StageCosts.mem_b_transient`` (``mem_bw_transient``) of a stage whose ``num_layers`` layers recompute, each
+    holding ``transient`` above what F kept of it while it does: that plus ``recompute_rest``; 0 without layers."""
+    if num_layers < 1:
+        return 0.0
+    return max(0.0, transient + recompute_rest(num_layers=num_layers, swap=swap, head=head))
 
 
 @dataclass(frozen=True)
@@ -180,7 +204,26 @@ class ModelCosts:
             mem_f=tuple(q.mem_f for q in parts),
             mem_b=tuple(q.mem_b for q in parts),
             mem_w=tuple(-(q.mem_f + q.mem_b) for q in parts),
+            mem_b_transient=tuple(
+                self.stage_transient(n, o, last=s == S - 1) for s, (n, o) in enumerate(zip(layers, options))
+            ),
+            mem_bw_transient=tuple(
+                self.stage_transient(n, o, last=s == S - 1, fused=True) for s, (n, o) in enumerate(zip(layers, options))
+            ),
         )
+
+    def stage_transient(self, num_layers: int, option: int, *, last: bool, fused: bool = False) -> float:
+        """What a B (``fused``: a BW) of a virtual stage with ``num_layers`` layers under option ``option`` (0 =
+        none: nothing) holds above the sum before it while it recomputes (``recompute_transient``): in a B each
+        layer swaps what F kept for what waits for its W, and the head adds its ``mem_b``; in a BW they free all."""
+        if option == 0:
+            return 0.0
+        o = self.recompute[option - 1]
+        if fused:
+            head = -self.head.mem_f if last else 0.0
+            return recompute_transient(o.transient_bw, num_layers=num_layers, swap=-o.mem_f, head=head)
+        head = self.head.mem_b if last else 0.0
+        return recompute_transient(o.transient, num_layers=num_layers, swap=o.mem_b, head=head)
 
 
 @dataclass(frozen=True)
@@ -487,13 +530,20 @@ def smallest_mem_limit(
         top = max(_peak(plan, costs))
         if shape.fixed_plan is not None or not shape.takes_limit:
             return top, top
+
+        def fits(limit: float) -> bool:  # the generator serves ``limit`` with a plan within it
+            plan = _plan_for(shape, costs, limit)
+            return plan is not None and max(_peak(plan, costs)) <= limit
+
+        if not fits(top):  # the generator counts a recomputing B's transient on top of all it lets stay resident
+            top += max(costs.mem_b_transient + costs.mem_bw_transient)
+            if not fits(top):
+                return None
         lo = floor(costs)
         while top - lo > 0.005 * top:  # the generator fits lo < limit <= top?
             mid = (lo + top) / 2
-            plan = _plan_for(shape, costs, mid)
-            peak = max(_peak(plan, costs)) if plan is not None else math.inf
-            if peak <= mid:
-                top = peak
+            if fits(mid):
+                top = mid
             else:
                 lo = mid
         return top, top
