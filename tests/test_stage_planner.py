@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
@@ -16,7 +15,6 @@ from zb_pipeline.schedule.stage_planner import (
     PartCosts,
     PlannerError,
     RecomputeOption,
-    evaluate_split,
     plan_stages,
     smallest_mem_limit,
 )
@@ -141,46 +139,3 @@ def test_bad_inputs() -> None:
         RecomputeOption("none", b_extra=1.0, mem_f=1.0)
     with pytest.raises(ValueError, match="unknown schedule"):
         plan_stages(model(4), schedule="nope", num_ranks=2, num_microbatches=4)
-
-
-def test_step_follows_the_rank_that_ends_last() -> None:
-    """The time between iterations: each rank's own work (``rank_step``, measured on ``step_layers``) is added to
-    its own pipeline end, so a split whose last rank has less of it gets the difference back.  The formula, from
-    given costs: iteration = end + step - reach(measured split) + reach(candidate), with reach =
-    max_r(end_r + rank_step[r]) - max_r(end_r) and end_r each rank's last simulated action."""
-    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
-    plan = registry.generate("zb-h1", 2, 4)
-    base = model(4)
-    step, own = 3.0, (2.5, 0.5)  # rank 0 (embedding) has more work between iterations than rank 1
-    measured = dataclasses.replace(base, step=step, rank_step=own, step_layers=(3, 1))
-
-    def ends(layers: tuple[int, ...]) -> tuple[float, list[float]]:
-        res = simulate(plan, base.stage_costs(layers, (0, 0)))
-        return res.end_time, [acts[-1].end for acts in res.timeline]
-
-    def reach(e: list[float]) -> float:
-        return max(x + w for x, w in zip(e, own)) - max(e)
-
-    end31, e31 = ends((3, 1))
-    end22, e22 = ends((2, 2))
-    assert e31[0] > e31[1] and e22[1] > e22[0] + 2.0  # [3, 1] ends on rank 0, [2, 2] on rank 1, well after rank 0
-    assert reach(e31) == pytest.approx(2.5) and reach(e22) == pytest.approx(0.5)
-    # the measured split keeps its prediction; the even split pays rank 1's 0.5 instead of rank 0's 2.5
-    assert evaluate_split(measured, (3, 1), **shape)[0] == pytest.approx(end31 + step)
-    assert evaluate_split(measured, (2, 2), **shape)[0] == pytest.approx(end22 + step - 2.5 + 0.5)
-    # measured on [2, 2] instead: [3, 1] gets rank 0's larger work back on its critical path
-    on22 = dataclasses.replace(measured, step_layers=(2, 2))
-    assert evaluate_split(on22, (2, 2), **shape)[0] == pytest.approx(end22 + step)
-    assert evaluate_split(on22, (3, 1), **shape)[0] == pytest.approx(end31 + step - 0.5 + 2.5)
-    # the same work on every rank moves nothing; without rank_step the step is added as it is
-    even = dataclasses.replace(measured, rank_step=(1.0, 1.0))
-    assert evaluate_split(even, (2, 2), **shape)[0] == pytest.approx(end22 + step)
-    assert evaluate_split(dataclasses.replace(base, step=step), (2, 2), **shape)[0] == end22 + step
-    # the planner ranks and predicts with the same formula
-    got = plan_stages(on22, **shape)
-    assert got.iteration == pytest.approx(evaluate_split(on22, got.layers, **shape)[0])
-    # the profile's parts entry carries it
-    again = ModelCosts.from_dict(measured.to_dict())
-    assert again.rank_step == own and again.step_layers == (3, 1)
-    with pytest.raises(ValueError, match="step_layers"):
-        dataclasses.replace(base, rank_step=own)
