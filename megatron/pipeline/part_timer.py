@@ -18,9 +18,7 @@ times them inside the profiling window through declared hooks only:
   (``overhead``, with the runtime's gap between actions); the first and the last stage's remainder beyond it goes
   to the embedding and the head, which travel with those stages.  The parts then add up to every measured stage;
 - the time per iteration outside the actions (the profile's ``boundary``: the optimizer step and the
-  iteration-boundary work) as the model's ``step``, with each rank's own share of it (``rank_step``, its CPU
-  clock) and the window's split (``step_layers``): the planner moves the step by how much further the ranks' own
-  work reaches past a candidate's pipeline end than past the window split's (``ModelCosts.step_reach``).
+  iteration-boundary work) as the model's ``step``, which the planner adds to every candidate's iteration.
 
 Stages that recompute are left out of the part times they would distort: a full-recompute stage's F (its layers run
 without autograd; their outputs are rebuilt at B, so the hooks registered at F never fire) and the B of every stage
@@ -349,8 +347,6 @@ def combine_parts(
         "overhead": overhead,
         "step": float(profile.boundary),
     }
-    if profile.rank_step:  # each rank's own work between iterations, and the split it was measured on
-        out.update(rank_step=[float(v) for v in profile.rank_step], step_layers=list(layers))
     for part, q in parts.items():
         out[part] = {**q, "f": max(q["f"], 1e-6), "b": max(q["b"], 0.0), "w": max(q["w"], 0.0)}
     if options:

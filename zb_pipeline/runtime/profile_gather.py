@@ -45,14 +45,13 @@ def local_summary(
     residual: Mapping[int, Sequence[float]],
     gaps: Sequence[float],
     boundaries: Sequence[float] = (),
-    step_work: Sequence[float] = (),
     transient: Mapping[tuple[Kind, int], Sequence[float]] | None = None,
     peaks: Sequence[float],
     statistic: str = "median",
 ) -> dict[str, Any]:
     """Per-stage summaries of one rank's samples (JSON-able; what ``gather`` exchanges): times and the gap between
-    compute actions and between iterations (``boundaries``; ``step_work``: the rank's own CPU time in the latter)
-    by ``statistic`` (see ``gather``), memory deltas and residuals by their median."""
+    compute actions and between iterations (``boundaries``) by ``statistic`` (see ``gather``), memory deltas and
+    residuals by their median."""
     if statistic not in STATISTICS:
         raise ValueError(f"{statistic=} must be one of {STATISTICS}")
     out: dict[str, Any] = {"stages": {}, "peak": max(peaks, default=0.0)}
@@ -66,7 +65,6 @@ def local_summary(
         out["stages"][s] = entry
     out["gap"] = summarise(gaps, statistic)
     out["boundary"] = summarise(boundaries, statistic)
-    out["step_work"] = summarise(step_work, statistic)
     return out
 
 
@@ -145,10 +143,6 @@ def gather(
     # Between iterations every rank but the one whose plan ends last also waits for it (the collectives of the step):
     # the shortest rank's time is the work the next iteration's start waits for.
     boundaries = [one["boundary"] for _, one in gathered if one.get("boundary") is not None]
-    # each rank's own work between iterations (its CPU clock): () unless every rank measured it
-    work = {rank: one.get("step_work") for rank, one in gathered}
-    measured = all(work.get(r) is not None for r in range(sched.num_ranks))
-    rank_step = tuple(float(work[r]) for r in range(sched.num_ranks)) if measured else ()
     mem_f = tuple(float(v or 0.0) for v in col("mem_F"))
     mem_b = tuple(float(v) if v is not None else 0.0 for v in col("mem_B"))
     return Profile(
@@ -174,7 +168,6 @@ def gather(
         device=device,
         overhead=float(summarise(gaps, statistic)) if gaps else 0.0,
         boundary=float(min(boundaries)) if boundaries else 0.0,
-        rank_step=rank_step,
         statistic=statistic,
     )
 

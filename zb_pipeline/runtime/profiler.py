@@ -85,12 +85,7 @@ class ActionProfiler:
         self._prev_end: float | None = None
         self._own_time = 0.0
         self.boundaries: list[float] = []  # CPU: ms from an iteration's last compute action to the next one's first
-        # CPU: the same interval on this thread's CPU clock -- the rank's own work between iterations (optimizer
-        # step, batches, log line), without the waits for other ranks that the wall interval holds
-        self.step_work: list[float] = []
         self._iteration_end: float | None = None  # the last action's end of the previous (profiled) iteration
-        self._cpu_end = 0.0  # this thread's CPU clock at the last action's end (after the profiler's own work)
-        self._iteration_cpu_end: float | None = None
         self._install()
 
     # the activation-memory samples (see ``ActivationMemory``)
@@ -142,7 +137,6 @@ class ActionProfiler:
         was_active = self.active
         self.active = it >= self.start_iter and (self.end_iter is None or it < self.end_iter)
         self._iteration_end = self._prev_end if was_active and self.active else None
-        self._iteration_cpu_end = self._cpu_end if self._iteration_end is not None else None
         self._prev_end = None
         if self.active:
             self.activation.begin_iteration()
@@ -168,9 +162,7 @@ class ActionProfiler:
                 self.gaps.append(max(0.0, called - self._prev_end - self._own_time) * 1e3)
             elif self._iteration_end is not None and not self.cuda:  # the first action after a profiled iteration
                 self.boundaries.append(max(0.0, called - self._iteration_end - self._own_time) * 1e3)
-                if self._iteration_cpu_end is not None:
-                    self.step_work.append(max(0.0, time.thread_time() - self._iteration_cpu_end) * 1e3)
-                self._iteration_end = self._iteration_cpu_end = None
+                self._iteration_end = None
             before = self.activation.before_action(kind, (a.stage, a.microbatch))
             self._in_action = True
             self._start = self._now()
@@ -191,7 +183,6 @@ class ActionProfiler:
                 self.times.setdefault((kind, a.stage), []).append((end - self._start + freed) * 1e3)
                 self._prev_end = end
                 self._own_time = time.perf_counter() - end  # the accounting and the release: not the gap's
-                self._cpu_end = time.thread_time()
             return out
 
         return handler
@@ -220,7 +211,6 @@ class ActionProfiler:
             transient=self.transient,
             gaps=self.gaps,
             boundaries=self.boundaries,
-            step_work=self.step_work,
             peaks=self.peaks,
             statistic=statistic,
         )

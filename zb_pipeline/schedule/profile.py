@@ -65,9 +65,6 @@ class Profile:
     # ms per iteration outside its compute actions (optimizer step, loss reductions, the next batch): the shortest
     # rank's time from an iteration's last action to the next one's first (CPU; 0 = not measured)
     boundary: float = 0.0
-    # ms per iteration of each rank's own work between iterations (its CPU clock: the wall interval less the waits
-    # for the other ranks), by pipeline rank; () = not measured (on a GPU the host clock does not see the work)
-    rank_step: tuple[float, ...] = ()
     statistic: str = "median"  # how times and gaps were summarised (STATISTICS): "median" to plan, "mean" to predict
     mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
     mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
@@ -191,8 +188,6 @@ class Profile:
             comm=self.comm,
             overhead=PartCosts(f=o, b=o, w=o),
             step=self.boundary,
-            rank_step=self.rank_step if self.stage_layers else (),
-            step_layers=self.stage_layers if self.rank_step else (),
         )
 
     def microbatch_bytes(self) -> float:
@@ -232,10 +227,6 @@ class Profile:
             raise ValueError(f"profile overhead {prof.overhead} must be finite and >= 0 (ms per compute action)")
         if not (math.isfinite(prof.boundary) and prof.boundary >= 0):
             raise ValueError(f"profile boundary {prof.boundary} must be finite and >= 0 (ms per iteration)")
-        if prof.rank_step and (
-            len(prof.rank_step) != prof.num_ranks or not all(math.isfinite(v) and v >= 0 for v in prof.rank_step)
-        ):
-            raise ValueError(f"profile rank_step {list(prof.rank_step)} must hold {prof.num_ranks} times >= 0 (ms)")
         return prof
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -41,7 +41,7 @@ from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule
 from zb_pipeline.schedule.memory import order_peak
-from zb_pipeline.schedule.simulate import SimResult, simulate
+from zb_pipeline.schedule.simulate import simulate
 
 NO_RECOMPUTE = "none"
 DEFAULT_EVALUATIONS = 5000  # simulations of a fixed plan (about a millisecond each at p = 8, m = 32 on an idle CPU)
@@ -112,10 +112,6 @@ class ModelCosts:
     # Time every virtual stage's F, B and W takes beyond its parts (the runtime's work per action); memory unused.
     overhead: PartCosts = PartCosts(f=0.0, b=0.0, w=0.0)
     step: float = 0.0  # time per iteration outside the pipeline's actions (optimizer step, iteration boundary)
-    # Each pipeline rank's own work between iterations (``rank_step[r]``, measured on the split ``step_layers``):
-    # which rank's work follows the pipeline's end depends on the split (``step_reach``); () = ``step`` as it is.
-    rank_step: tuple[float, ...] = ()
-    step_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -127,19 +123,12 @@ class ModelCosts:
         names = [o.name for o in self.recompute]
         if len(set(names)) != len(names):
             raise ValueError(f"recompute option names repeat: {names}")
-        if not all(math.isfinite(v) and v >= 0 for v in self.rank_step):
-            raise ValueError(f"each rank's work between iterations {list(self.rank_step)} must be finite and >= 0")
-        if self.rank_step and (len(self.step_layers) < 1 or sum(self.step_layers) != self.num_layers):
-            raise ValueError(
-                f"rank_step needs the split it was measured on: step_layers {list(self.step_layers)} must hold "
-                f"{self.num_layers} layers"
-            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
         """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
         "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...], "overhead": {f, b, w},
-        "step": T, "rank_step": [T_0, ...], "step_layers": [n_0, ...]}`` (the last four optional)."""
+        "step": T}`` (the last two optional)."""
         if not isinstance(d, dict):
             raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
         try:
@@ -152,8 +141,6 @@ class ModelCosts:
                 recompute=rec,
                 overhead=over,
                 step=float(d.get("step", 0.0)),
-                rank_step=tuple(float(v) for v in d.get("rank_step", ())),
-                step_layers=tuple(int(v) for v in d.get("step_layers", ())),
                 **parts,
             )
         except KeyError as err:
@@ -179,18 +166,6 @@ class ModelCosts:
             mem_f=sum(n * q.mem_f for n, q in parts),
             mem_b=sum(n * q.mem_b for n, q in parts),
         )
-
-    def step_reach(self, result: SimResult) -> float:
-        """How far the ranks' own work between iterations reaches past the end of ``result``'s pipeline:
-        ``max_r(end_r + rank_step[r]) - max_r(end_r)``, ``end_r`` rank r's last action's end (0 without
-        ``rank_step``).  The next iteration starts once the last rank's work is done, so of the measured ``step``
-        the part beyond the pipeline's end moves with which rank ends last, and by how much: the measured split's
-        reach is in ``step``, a candidate's iteration is ``end + step - reach(measured split) + reach(candidate)``
-        (``plan_stages``, ``evaluate_split``)."""
-        if not self.rank_step or len(self.rank_step) != len(result.timeline):
-            return 0.0
-        ends = [acts[-1].end if acts else 0.0 for acts in result.timeline]
-        return max(e + w for e, w in zip(ends, self.rank_step)) - max(ends)
 
     def stage_costs(self, layers: Sequence[int], options: Sequence[int]) -> StageCosts:
         """``StageCosts`` of a candidate: ``layers[s]`` layers and option ``options[s]`` on virtual stage ``s``."""
@@ -400,8 +375,7 @@ def plan_stages(
         peak = _peak(plan, costs)
         if max(peak) > limit:
             return None
-        res = simulate(plan, costs)
-        end = res.end_time + model.step_reach(res)  # >= end_time: the bounds on end_time still bound it
+        end = simulate(plan, costs).end_time
         return end, (layers, opts, end, peak, plan, costs)
 
     best, n, exact = _search(
@@ -432,7 +406,7 @@ def plan_stages(
         )
     layers, opts, end, peak, plan, costs = best
     names = model.option_names()
-    iteration = end + model.step - _measured_reach(model, shape, mem_limit)
+    iteration = end + model.step
     return StagePlan(schedule, layers, tuple(names[o] for o in opts), iteration, peak, plan, costs, n, exact)
 
 
@@ -461,19 +435,7 @@ def evaluate_split(
     if plan is None:
         within = "" if mem_limit is None or not shape.takes_limit else f" within the memory limit {mem_limit:g}"
         raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}{within}")
-    res = simulate(plan, costs)
-    step = model.step + model.step_reach(res) - _measured_reach(model, shape, mem_limit)
-    return res.end_time + step, _peak(plan, costs)
-
-
-def _measured_reach(model: ModelCosts, shape: _Shape, mem_limit: float | None) -> float:
-    """``model.step_reach`` of the split the step was measured on (``step_layers``, no recompute), simulated with
-    ``shape``'s plan under ``model``'s costs; 0 without ``rank_step`` or when that split does not fit ``shape``."""
-    if not model.rank_step or len(model.step_layers) != shape.num_stages or len(model.rank_step) != shape.p:
-        return 0.0
-    costs = model.stage_costs(model.step_layers, [0] * shape.num_stages)
-    plan = _plan_for(shape, costs, mem_limit)
-    return 0.0 if plan is None else model.step_reach(simulate(plan, costs))
+    return simulate(plan, costs).end_time + model.step, _peak(plan, costs)
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
