@@ -54,8 +54,9 @@ def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor], *, device: torch.de
     """``[sum of squares, non-finite count]`` (float64, on ``device``, where the gradients are) of the given gradient
     tensors (already chosen); no host synchronisation.  The count is 1 when the sum of squares is not finite, else
     0: an inf or NaN entry makes its square, and so the sum, inf or NaN (squares are never negative, so two infs
-    cannot cancel), so this flags exactly what counting the entries would -- without a pass over every gradient
-    (``isfinite`` over the whole model cost several times the sum of squares on a CPU)."""
+    cannot cancel), so every gradient that held one is flagged, as by counting the entries (which
+    ``stats_from_total`` read as a flag anyway), without a pass over every gradient (``isfinite`` over the whole
+    model cost several times the sum of squares on a CPU)."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         g32 = g.detach().float().reshape(-1)
