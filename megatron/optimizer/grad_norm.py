@@ -44,22 +44,24 @@ def owns_grad(param: torch.nn.Parameter, *, tp_rank: int) -> bool:
 
 
 def local_grad_stats(params: Iterable[torch.nn.Parameter], *, tp_rank: int = 0) -> torch.Tensor:
-    """``[sum of squares, number of non-finite entries]`` (float64, on the gradients' device) over the gradients
-    this rank owns."""
+    """``[sum of squares, non-finite count]`` (float64, on the gradients' device) over the gradients this rank owns
+    (``sum_squares_and_nonfinite``)."""
     grads = [g for p in params if (g := grad_of(p)) is not None and owns_grad(p, tp_rank=tp_rank)]
     return sum_squares_and_nonfinite(grads, device=grads[0].device if grads else torch.device("cpu"))
 
 
 def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor], *, device: torch.device | str) -> torch.Tensor:
-    """``[sum of squares, number of non-finite entries]`` (float64, on ``device``, where the gradients are) of the
-    given gradient tensors (already chosen); no host synchronisation."""
+    """``[sum of squares, non-finite count]`` (float64, on ``device``, where the gradients are) of the given gradient
+    tensors (already chosen); no host synchronisation.  The count is 1 when the sum of squares is not finite, else
+    0: an inf or NaN entry makes its square, and so the sum, inf or NaN (squares are never negative, so two infs
+    cannot cancel), so every gradient that held one is flagged, as by counting the entries (which
+    ``stats_from_total`` read as a flag anyway), without a pass over every gradient (``isfinite`` over the whole
+    model cost several times the sum of squares on a CPU)."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    bad = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         g32 = g.detach().float().reshape(-1)
         sq += torch.dot(g32, g32).double()
-        bad += (~torch.isfinite(g32)).sum().double()
-    return torch.stack([sq, bad])
+    return torch.stack([sq, (~torch.isfinite(sq)).double()])
 
 
 def stats_from_total(total: torch.Tensor) -> GradStats:
