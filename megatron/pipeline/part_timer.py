@@ -8,7 +8,8 @@ times them inside the profiling window through declared hooks only:
   head with the loss is the time from the last layer's end to the stage's end);
 - B: tensor gradient hooks, registered at F, on each part's boundary tensors (the loss, each layer's output and
   input); inside one B action their firing times bound each part's backward (the embedding's is the rest of the B
-  action after its output's gradient), the B handler wrapped through the runtime's ``wrap_handler``;
+  action after its output's gradient), the B handler wrapped through the runtime's ``wrap_handler``; in a fused
+  BW (1F1B) the same hooks bound each part's B and W together, shared in the analytic B : W ratio;
 - W and the activation memory per part: the stage profile's measured W and memory of each stage, shared among its
   parts in the proportions of the analytic cost model (``megatron.model.cost_model``) -- the deferred weight
   gradients of a stage run as one queue, which no hook splits by part;
@@ -96,7 +97,8 @@ class PartTimer:
     # -- wiring -----------------------------------------------------------------------------------------------
     def _install(self) -> None:
         self.runtime.hooks.iteration_start.append(self._begin_iteration)
-        self.runtime.wrap_handler(Kind.B, self._wrap_b)
+        self.runtime.wrap_handler(Kind.B, self._wrap_b("b"))
+        self.runtime.wrap_handler(Kind.BW, self._wrap_b("bw"))  # a fused backward: each part's B and W together
         for module in self.stages.values():
             if module.embedding is not None:
                 self._handles.append(module.embedding.register_forward_pre_hook(self._emb_pre))
@@ -201,7 +203,11 @@ class PartTimer:
             out.register_hook(self._mark(("loss", 0)))
 
     # -- B ----------------------------------------------------------------------------------------------------
-    def _wrap_b(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def _wrap_b(self, kind: str) -> Callable[[Callable[[Any, Any], Any]], Callable[[Any, Any], Any]]:
+        """The wrapper of the B (``kind`` "b") or the fused BW ("bw") handler: times each part's backward."""
+        return lambda inner: self._timed_backward(inner, kind)
+
+    def _timed_backward(self, inner: Callable[[Any, Any], Any], kind: str) -> Callable[[Any, Any], Any]:
         def handler(ex: Any, a: Any) -> Any:
             module = self._timed_b.get(a.stage) if self.active else None
             if module is None:
@@ -213,20 +219,20 @@ class PartTimer:
                 marks = self._marks
             finally:
                 self._in_b, self._marks = False, None
-            self._b_parts(module, marks, end)
+            self._b_parts(module, marks, end, kind)
             return out
 
         return handler
 
-    def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any) -> None:
+    def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any, kind: str) -> None:
         n = len(module.layers)
         if module.post_process and ("loss", 0) in marks and ("out", n - 1) in marks:
-            self._record("head", "b", marks[("loss", 0)], marks[("out", n - 1)])
+            self._record("head", kind, marks[("loss", 0)], marks[("out", n - 1)])
         for i in range(n):
             if ("out", i) in marks and ("in", i) in marks:
-                self._record("layer", "b", marks[("out", i)], marks[("in", i)])
+                self._record("layer", kind, marks[("out", i)], marks[("in", i)])
         if module.embedding is not None and ("in", 0) in marks:
-            self._record("embedding", "b", marks[("in", 0)], end)
+            self._record("embedding", kind, marks[("in", 0)], end)
 
     # -- results ----------------------------------------------------------------------------------------------
     def local_summary(self) -> dict[str, dict[str, list[float]]]:
@@ -294,7 +300,7 @@ def combine_parts(
     summary = statistics.median if statistic == "median" else statistics.fmean
     measured: dict[str, dict[str, float]] = {}
     for part in PARTS:
-        for kind in ("f", "b"):
+        for kind in ("f", "b", "bw"):
             values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
             if values:
                 measured.setdefault(part, {})[kind] = float(summary(values))
@@ -309,7 +315,7 @@ def combine_parts(
     if unknown or (recompute and len(recompute) != profile.num_stages):
         raise ValueError(f"recompute choices {list(recompute)} are not one of {list(names)} per virtual stage")
     opts = [names.index(c) for c in recompute] if recompute else [0] * profile.num_stages
-    if analytic.recompute and "b" not in measured["layer"]:
+    if analytic.recompute and not {"b", "bw"} & set(measured["layer"]):
         raise ValueError("the profiling window timed no layer backward without recompute (every stage recomputes)")
     last = profile.num_stages - 1
     an = {"embedding": analytic.embedding, "layer": analytic.layer, "head": analytic.head}
@@ -336,12 +342,17 @@ def combine_parts(
     parts: dict[str, dict[str, float]] = {}
     for part in PARTS:
         f = measured[part]["f"]
-        b = measured[part].get("b")
-        if b is None:  # B not timed (its stages recompute): the analytic ratio to the measured F
+        b, bw = measured[part].get("b"), measured[part].get("bw")
+        if b is None and bw is not None:  # fused BW only: its measured BW shared in the analytic B : W ratio
+            b_share = an[part].b / (an[part].b + an[part].w) if an[part].b + an[part].w > 0 else 1.0
+            b = bw * b_share
+        elif b is None:  # B not timed (its stages recompute): the analytic ratio to the measured F
             b = an[part].b * (f / an[part].f) if an[part].f > 0 else 0.0
         if w_stage is not None:
             w = share(part, "w", w_stage)
-        else:  # fused BW only: W in the analytic ratio to the measured F
+        elif bw is not None and measured[part].get("b") is None:  # fused BW only: the rest of its measured BW
+            w = bw - b
+        else:  # fused BW only, not timed: W in the analytic ratio to the measured F
             w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
         parts[part] = {"f": f, "b": b, "w": w}
     _memory(parts, profile, analytic, opts)
