@@ -8,7 +8,8 @@ Two ranks run one profiled iteration of each schedule with and without recompute
 - zb-auto with full recompute, limited to 1F1B-with-full-recompute's measured peak, simulates no slower than 1F1B
   with full recompute, and its plan's predicted peak stays within that limit;
 - the stage planner's per-part model with the transient of a recomputing B (BW) predicts, analytic at start-up, each
-  stage's transient and each rank's peak, and derived from one window each rank's peak, within 5%.
+  stage's transient within 5% and each rank's peak within 1%, and derived from one window each rank's peak within
+  1%, the first stage's included.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ RECOMPUTE = {
     "block": {"granularity": "full", "method": "block", "num_layers": 1},
 }
 TOL = 0.05
+# The per-part model against the measured, every stage (the first too, since the embedding's output is laid out as
+# [s, b, h]: its layers hold what the others hold): within 1%; measured 0.1% at most.
+MODEL_TOL = 0.01
 
 
 def _cfg():
@@ -210,7 +214,7 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
     """The stage planner's per-part model at start-up (the analytic ``megatron.model.cost_model``, with the
     transient of a recomputing B or BW, ``ModelCosts.stage_transient``): for every schedule, without recompute and
     with each uniform granularity, the predicted transient of every stage and the predicted peak of every rank
-    equal the measured within 5%."""
+    equal the measured within 5% (transients) and 1% (peaks, every rank)."""
     from zb_pipeline.schedule.memory import peak_memory
 
     model = _analytic_model()
@@ -228,10 +232,10 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
         peaks = peak_memory(plan, costs)
         for r in range(P):
             m = prof.peak_bytes[r]
-            assert abs(peaks[r] - m) <= TOL * m, (name, rc, r, peaks, prof.peak_bytes)
+            assert abs(peaks[r] - m) <= MODEL_TOL * m, (name, rc, r, peaks, prof.peak_bytes)
 
 
-WINDOW_MODEL_TOL = 0.10  # fixed before measuring
+WINDOW_MODEL_TOL = MODEL_TOL
 
 
 @pytest.mark.parametrize("ran", ["none", "full", "selective"])
@@ -240,7 +244,8 @@ def test_one_window_predicts_the_memory_of_every_recompute_choice(profiles, ran)
     from one window whose stages ran ``ran``, what F keeps under every other choice is that choice's analytic bytes
     times the layer's calibration factor, and after B every choice holds what the layer without recompute holds.
     Checked against the saved-tensor bytes measured with each choice (ZB-H1, both stages): what F keeps and what
-    waits for W, per stage, within 10%; the peak predicted with the B transients, per rank, within 5%."""
+    waits for W, per stage (the first too), within 1%; the peak predicted with the B transients, per rank, within
+    1%."""
     import dataclasses
 
     from megatron.model.cost_model import model_costs, recompute_options
@@ -272,4 +277,4 @@ def test_one_window_predicts_the_memory_of_every_recompute_choice(profiles, ran)
                 assert abs(p - m) <= WINDOW_MODEL_TOL * m, (ran, target, s, what, p, m)
         # with the B transients (``ModelCosts.stage_transient``), the peak the planner predicts is the measured one
         peaks = peak_memory(profiles[("zb-h1", target)][1], predicted)
-        assert all(abs(p - m) <= TOL * m for p, m in zip(peaks, measured.peak_bytes)), (ran, target, peaks, measured)
+        assert all(abs(p - m) <= MODEL_TOL * m for p, m in zip(peaks, measured.peak_bytes)), (ran, target, peaks)

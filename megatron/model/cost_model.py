@@ -302,6 +302,12 @@ def model_costs(
     head, loss = head_forward_flops_per_token(config, padded_vocab_size), loss_flops_per_token(padded_vocab_size)
     emb = embedding_flops_per_token(config)
     scale = tokens / GFLOP
+    emb_bytes = (
+        embedding_activation_bytes_per_token(
+            config, bytes_per_element, micro_batch_size=micro_batch_size, on_cuda=on_cuda
+        )
+        * tokens
+    )
     return ModelCosts(
         num_layers=config.num_layers,
         layer=PartCosts(
@@ -319,10 +325,8 @@ def model_costs(
             f=emb * scale,
             b=0.0,
             w=emb * scale,
-            mem_f=embedding_activation_bytes_per_token(
-                config, bytes_per_element, micro_batch_size=micro_batch_size, on_cuda=on_cuda
-            )
-            * tokens,
+            mem_f=emb_bytes,
+            mem_b=-emb_bytes,  # B frees it all: its W reads the token ids, the microbatch's own input
         ),
         head=PartCosts(
             f=(head + loss) * scale,

@@ -396,13 +396,13 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
     c = float(statistics.median(factors)) if factors else 1.0
     emb_f = analytic.embedding.mem_f * c
     layer_f = a.mem_f * c
-    per_layer = [(held[s] - (emb_f if s == 0 else 0.0)) / layers[s] for s in body if layers[s]]
+    per_layer = [held[s] / layers[s] for s in body if layers[s]]  # the embedding holds nothing after B
     layer_held = max(float(statistics.median(per_layer)), 0.0) if per_layer else layer_f
     last = S - 1
     rest_f = profile.mem_f[last] - layers[last] * kept[opts[last]] * c - (emb_f if last == 0 else 0.0)
-    rest_held = held[last] - layers[last] * layer_held - (emb_f if last == 0 else 0.0)
+    rest_held = held[last] - layers[last] * layer_held
     head_f = max(rest_f, 0.0)
-    parts["embedding"].update(mem_f=emb_f, mem_b=0.0)  # it keeps the token ids for its W
+    parts["embedding"].update(mem_f=emb_f, mem_b=-emb_f)  # its W reads the token ids, the microbatch's input
     parts["layer"].update(mem_f=layer_f, mem_b=max(layer_held, 0.0) - layer_f)
     parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
 
