@@ -190,3 +190,46 @@ def test_v_schedule_plans_under_the_byte_limit() -> None:
     assert layout.plans.mem_limit == pytest.approx(limit_gb * 2**30) and layout.plans.costs == layout.split_plan.costs
     assert max(peak_memory(layout.schedule, layout.plans.costs)) <= limit_gb * 2**30
     assert plans_within_bytes("zb-auto") and plans_within_bytes("v-min") and not plans_within_bytes("zb-h1")
+
+
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
+EXPLICIT_RECOMPUTE = {
+    "selective": ["--recompute-activations"],
+    "full": [*FULL, "uniform", "--recompute-num-layers", "1"],
+    "full-uniform-2": [*FULL, "uniform", "--recompute-num-layers", "2"],
+    "full-block-1": [*FULL, "block", "--recompute-num-layers", "1"],
+}
+
+
+@pytest.mark.parametrize("name", list(EXPLICIT_RECOMPUTE))
+def test_explicit_recompute_is_planned_in_force(name: str) -> None:
+    """An explicit --recompute-granularity (not auto): the start-up planner plans the split with it on every stage
+    -- B replays the forward, F keeps what the recompute leaves, B holds the recompute's transient -- so its plan is
+    the explicit model's (``explicit_recompute_option``, ``fixed_recompute``) and a memory limit that only the
+    recompute meets is served (it was refused, planned as if nothing recomputed)."""
+    from megatron.model.cost_model import explicit_recompute_option
+
+    auto = [*MAKE_TRAIN, "--pipeline-layer-split", "auto"]
+    flags = EXPLICIT_RECOMPUTE[name]
+    run = parse_run_config([*auto, *flags], world_size=4)
+    plan = run.pipeline_layout.split_plan
+    plain = parse_run_config(auto, world_size=4).pipeline_layout.split_plan
+    assert plan.recompute == (name, name)
+    assert plan.iteration > plain.iteration and max(plan.peak_memory) < max(plain.peak_memory)
+    rc = run.recompute
+    option = explicit_recompute_option(
+        run.model, granularity=rc.granularity, method=rc.method, num_layers=rc.num_layers,
+        micro_batch_size=2, bytes_per_element=4,
+    )  # fmt: skip
+    model = dataclasses.replace(
+        model_costs(run.model, padded_vocab_size=4096, micro_batch_size=2, recompute=(option,)), fixed_recompute=True
+    )
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    iteration, peak = evaluate_split(model, plan.layers, **shape)
+    assert iteration == pytest.approx(plan.iteration) and peak == pytest.approx(plan.peak_memory)
+    # a limit just above the recompute's peak and below what any split without recompute needs
+    limit = ["--pipeline-memory-limit-gb", f"{max(plan.peak_memory) * 1.01 / 2**30:.6f}"]
+    with pytest.raises(ConfigError, match="no layer split fits it with zb-h1 by the analytic model"):
+        parse_run_config([*auto, *limit], world_size=4)
+    served = parse_run_config([*auto, *flags, *limit], world_size=4).pipeline_layout.split_plan
+    assert served.recompute == plan.recompute

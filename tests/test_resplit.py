@@ -390,3 +390,20 @@ def test_fused_bw_schedule_with_auto_split_and_window_trains() -> None:
     log = "".join(r["log"] for r in got)
     assert "replanned 1f1b (p=2, m=4) from profiled costs" in log
     assert "layer split from measured per-part costs" in log
+
+
+@pytest.mark.slow
+def test_window_under_explicit_full_recompute_keeps_the_start_up_split() -> None:
+    """--recompute-granularity full on every stage: the window times no layer apart (its layers run without autograd
+    at F), so it keeps the split the start-up planner chose with the recompute in force, says so in one line, and
+    the losses are those of the run without a window."""
+    from megatron.pipeline.trainer_hooks import FULL_RECOMPUTE_KEPT
+
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
+    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+    got = run_multiprocess(_pretrain, 2, args=([*argv, *window],), timeout_s=240)
+    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
+    assert got[0]["losses"] == ref["losses"]
+    log = "".join(r["log"] for r in got)
+    assert log.count(FULL_RECOMPUTE_KEPT) == 1 and "layer split from measured per-part costs" not in log

@@ -20,6 +20,8 @@ the output is the output projection's input.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.model.config import GPTConfig
 from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts, RecomputeOption
 
@@ -283,6 +285,31 @@ def recompute_options(
             transient_bw=full_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
         ),
     )
+
+
+def explicit_recompute_option(
+    config: GPTConfig,
+    *,
+    granularity: str,
+    method: str | None,
+    num_layers: int | None,
+    micro_batch_size: int,
+    bytes_per_element: int,
+    on_cuda: bool = False,
+) -> RecomputeOption:
+    """The option of an explicit ``--recompute-granularity`` (every stage takes it; the stage planner plans the split
+    with it in force, ``ModelCosts.fixed_recompute``): selective, or full in runs of ``--recompute-num-layers``
+    (uniform) or of a stage's first ``--recompute-num-layers`` layers (block) -- ``recompute_options``' own with the
+    run or the block (``RecomputeOption.run``/``block``)."""
+    selective, full = recompute_options(
+        config, micro_batch_size=micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda
+    )
+    if granularity == "selective":
+        return selective
+    n = num_layers or 1
+    if method == "block":
+        return dataclasses.replace(full, name=f"full-block-{n}", block=n)
+    return full if n == 1 else dataclasses.replace(full, name=f"full-uniform-{n}", run=n)
 
 
 def model_costs(

@@ -51,10 +51,12 @@ def auto_layer_split(
     recompute: tuple[RecomputeOption, ...] = (),
     mem_limit: float | None = None,
     on_cuda: bool = False,
+    fixed_recompute: bool = False,
 ) -> PipelineLayout:
     """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
-    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a
-    GPU (the analytic activation bytes follow its kernels)."""
+    ``recompute``: the options a stage may take (``fixed_recompute``: the one every stage takes, an explicit
+    ``--recompute-granularity``); ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a GPU (the
+    analytic activation bytes follow its kernels)."""
     if schedule_file is not None:
         raise ConfigError(
             "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
@@ -67,6 +69,7 @@ def auto_layer_split(
         recompute=recompute,
         on_cuda=on_cuda,
     )
+    costs = dataclasses.replace(costs, fixed_recompute=fixed_recompute)
     shape = dict(
         schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
@@ -75,8 +78,8 @@ def auto_layer_split(
     except PlannerError as err:
         if err.smallest is None:
             raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
-        what = "layer split or recompute choice" if recompute else "layer split"
-        hint = "" if recompute else "; or let stages recompute: --recompute-granularity auto"
+        what = "layer split or recompute choice" if recompute and not fixed_recompute else "layer split"
+        hint = "" if recompute and not fixed_recompute else "; or let stages recompute: --recompute-granularity auto"
         raise ConfigError(
             f"--pipeline-memory-limit-gb {mem_limit / GIB:g}: no {what} fits it with {schedule} by the analytic "
             f"model; the smallest limit that works is {_ceil_gib(err.smallest)} GiB{hint}"

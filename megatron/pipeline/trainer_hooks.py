@@ -274,6 +274,13 @@ def _measures_split(run: RunConfig) -> bool:
     return run.parallel.layer_split == "auto" and layout is not None and layout.split == "auto"
 
 
+# Why the window keeps the start-up split under an explicit full recompute (docs/planner.md).
+FULL_RECOMPUTE_KEPT = (
+    "layer split kept: --recompute-granularity full recomputes whole layers on every stage, so the profiling window "
+    "times no layer's F and B apart; the start-up split, planned with the recompute in force, stands"
+)
+
+
 def _measure_split(
     replanner: WindowReplanner, pipe: GPTPipeline, run: RunConfig, ctx: ParallelContext, log: Any
 ) -> None:
@@ -300,6 +307,11 @@ def _measure_split(
     chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
 
     def parts(profile: Profile) -> dict[str, Any] | None:
+        if run.recompute.full:  # every stage recomputes whole layers: they run without autograd at F, untimed
+            timer.detach()
+            if ctx.rank == 0:
+                log(FULL_RECOMPUTE_KEPT)
+            return None
         # the window's means too (collective over the pipeline group; the latency is the median profile's): they
         # predict the iteration the trainer logs at the decision, the medians plan it
         means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
