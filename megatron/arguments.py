@@ -42,12 +42,10 @@ from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
-from megatron.model.cost_model import explicit_recompute_option, recompute_options
-from megatron.pipeline.layer_split import auto_layer_split, memory_limit_bytes, wants_auto_split
+from megatron.pipeline.layer_split import auto_layer_split, memory_limit_bytes, planner_recompute, wants_auto_split
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 from megatron.tokenizer.build import model_vocab_size
-from zb_pipeline.schedule.stage_planner import RecomputeOption
 
 
 @dataclass(frozen=True)
@@ -458,7 +456,13 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
         micro_batch_size=run.training.micro_batch_size,
         num_microbatches=run.num_microbatches,
         bytes_per_element=bytes_per_element,
-        recompute=_planned_recompute(run, bytes_per_element=bytes_per_element, on_cuda=on_cuda),
+        recompute=planner_recompute(
+            run.model,
+            run.recompute,
+            micro_batch_size=run.training.micro_batch_size,
+            bytes_per_element=bytes_per_element,
+            on_cuda=on_cuda,
+        ),
         mem_limit=memory_limit_bytes(run.parallel),
         on_cuda=on_cuda,
         fixed_recompute=run.recompute.enabled and not run.recompute.auto,  # explicit: planned with it in force
@@ -467,21 +471,6 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
     if recompute.auto:  # --recompute-granularity auto: the planner's choice per virtual stage
         recompute = recompute.planned(layout.layer_ranges, layout.split_plan.recompute)
     return dataclasses.replace(run, pipeline_layout=layout, recompute=recompute)
-
-
-def _planned_recompute(run: RunConfig, *, bytes_per_element: int, on_cuda: bool) -> tuple[RecomputeOption, ...]:
-    """The recompute options the stage planner plans with: auto's choices, an explicit recompute's one option (every
-    stage takes it), or none."""
-    rc, shape = run.recompute, dict(micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element)
-    if rc.auto:
-        return recompute_options(run.model, **shape, on_cuda=on_cuda)
-    if not rc.enabled:
-        return ()
-    return (
-        explicit_recompute_option(
-            run.model, granularity=rc.granularity, method=rc.method, num_layers=rc.num_layers, **shape, on_cuda=on_cuda
-        ),
-    )
 
 
 def _auto_split(parallel: ParallelConfig) -> bool:

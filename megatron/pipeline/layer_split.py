@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from megatron.config.errors import ConfigError, require
 from megatron.config.parallel import ParallelConfig
+from megatron.config.recompute import RecomputeConfig
 from megatron.model.config import GPTConfig
-from megatron.model.cost_model import model_costs
+from megatron.model.cost_model import explicit_recompute_option, model_costs, recompute_options
 from megatron.pipeline.layout import PipelineLayout
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.memory import schedule_mem_limit
@@ -89,6 +90,24 @@ def auto_layer_split(
     even = even_split(costs.num_layers, layout.schedule.num_stages)
     even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
     return _runs_plan(layout.with_split(plan.layers, split="auto", plan=plan, even=even_time), plan, mem_limit)
+
+
+def planner_recompute(
+    model: GPTConfig, recompute: RecomputeConfig, *, micro_batch_size: int, bytes_per_element: int, on_cuda: bool
+) -> tuple[RecomputeOption, ...]:
+    """The recompute options the stage planner plans with: ``--recompute-granularity auto``'s choices, an explicit
+    recompute's one option (every stage takes it: ``ModelCosts.fixed_recompute``), or none."""
+    shape = dict(micro_batch_size=micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda)
+    if recompute.auto:
+        return recompute_options(model, **shape)
+    if not recompute.enabled:
+        return ()
+    rc = recompute
+    return (
+        explicit_recompute_option(
+            model, granularity=rc.granularity, method=rc.method, num_layers=rc.num_layers, **shape
+        ),
+    )
 
 
 def plans_within_bytes(schedule: str) -> bool:
@@ -198,6 +217,7 @@ def measured_layer_split(
         even_iteration=even_time,
         step=predict.step,
         current_recompute=None if recompute is None else tuple(recompute),
+        fixed_recompute=costs.fixed_recompute,
     )
 
 
@@ -217,6 +237,7 @@ class MeasuredSplit:
     step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
     # --recompute-granularity auto: the recompute choice per virtual stage in force (None: not auto, not decided)
     current_recompute: tuple[str, ...] | None = None
+    fixed_recompute: bool = False  # an explicit recompute, in force on every stage before and after
 
     @property
     def moves_layers(self) -> bool:
@@ -224,6 +245,8 @@ class MeasuredSplit:
 
     @property
     def recompute_changes(self) -> bool:
+        if self.fixed_recompute:
+            return False
         current = self.current_recompute or (NO_RECOMPUTE,) * len(self.current)
         return tuple(self.plan.recompute) != tuple(current)
 

@@ -40,7 +40,7 @@ from megatron.data.loader import train_microbatches
 from megatron.deferred_loss import PendingLoss
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
-from megatron.model.cost_model import model_costs, recompute_options
+from megatron.model.cost_model import model_costs
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
@@ -50,6 +50,7 @@ from megatron.pipeline.layer_split import (
     measured_layer_split,
     measured_limit_error,
     memory_limit_bytes,
+    planner_recompute,
     plans_within_bytes,
 )
 from megatron.pipeline.part_timer import PartTimer
@@ -293,18 +294,24 @@ def _measure_split(
     )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"
-    options = recompute_options(
-        run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda
+    options = planner_recompute(
+        run.model,
+        run.recompute,
+        micro_batch_size=run.training.micro_batch_size,
+        bytes_per_element=bytes_per_element,
+        on_cuda=on_cuda,
     )
     analytic = model_costs(
         run.model,
         padded_vocab_size=run.padded_vocab_size,
         micro_batch_size=run.training.micro_batch_size,
         bytes_per_element=bytes_per_element,
-        recompute=options if auto else (),
+        recompute=options,
         on_cuda=on_cuda,
     )
     chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
+    explicit = bool(options) and not auto  # an explicit recompute: its one option on every stage, kept
+    in_force = chosen if auto else (options[0].name,) * len(layout.layer_ranges) if explicit else ()
 
     def parts(profile: Profile) -> dict[str, Any] | None:
         if run.recompute.full:  # every stage recomputes whole layers: they run without autograd at F, untimed
@@ -317,7 +324,10 @@ def _measure_split(
         means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
         means = dataclasses.replace(means, stage_layers=profile.stage_layers)
         try:  # every rank combines the same gathered samples, so all fail alike
-            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=chosen or ())
+            out = timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=in_force)
+            if explicit:  # the planner keeps it on every stage
+                out["fixed_recompute"] = out["predict"]["fixed_recompute"] = True
+            return out
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: no per-part costs ({err})")
