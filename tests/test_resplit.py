@@ -392,18 +392,29 @@ def test_fused_bw_schedule_with_auto_split_and_window_trains() -> None:
     assert "layer split from measured per-part costs" in log
 
 
-@pytest.mark.slow
-def test_window_under_explicit_full_recompute_keeps_the_start_up_split() -> None:
-    """--recompute-granularity full on every stage: the window times no layer apart (its layers run without autograd
-    at F), so it keeps the split the start-up planner chose with the recompute in force, says so in one line, and
-    the losses are those of the run without a window."""
-    from megatron.pipeline.trainer_hooks import FULL_RECOMPUTE_KEPT
+@pytest.mark.parametrize("method,measured", [("uniform", True), pytest.param("block", False, marks=pytest.mark.slow)])
+def test_window_under_explicit_full_recompute(method: str, measured: bool) -> None:
+    """--recompute-granularity full on every stage: with uniform runs of one layer the window times each layer's F
+    (without autograd) and B (its recompute and backward) and re-decides the split from them, the option fixed in
+    the profile's parts; with block it keeps the split the start-up planner chose with the recompute in force and
+    says so in one line.  Either way the losses are those of the run without a window."""
+    import tempfile
 
-    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    from megatron.pipeline.trainer_hooks import FULL_RECOMPUTE_KEPT
+    from zb_pipeline.schedule.profile import Profile
+
+    full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", "1"]
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
     window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
-    got = run_multiprocess(_pretrain, 2, args=([*argv, *window],), timeout_s=240)
+    with tempfile.TemporaryDirectory() as save:
+        got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
+        profile = Profile.load(f"{save}/zb_profile.json")
     ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
     assert got[0]["losses"] == ref["losses"]
     log = "".join(r["log"] for r in got)
-    assert log.count(FULL_RECOMPUTE_KEPT) == 1 and "layer split from measured per-part costs" not in log
+    assert ("layer split from measured per-part costs" in log) == measured
+    assert (FULL_RECOMPUTE_KEPT in log) != measured
+    if measured:
+        parts = profile.model_costs()
+        assert parts.fixed_recompute and [o.name for o in parts.recompute] == ["full"]
+        assert parts.recompute[0].b_extra == 0.0 and min(parts.layer.f, parts.layer.b) > 0

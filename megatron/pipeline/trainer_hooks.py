@@ -275,10 +275,12 @@ def _measures_split(run: RunConfig) -> bool:
     return run.parallel.layer_split == "auto" and layout is not None and layout.split == "auto"
 
 
-# Why the window keeps the start-up split under an explicit full recompute (docs/planner.md).
+# Why the window keeps the start-up split under an explicit full recompute other than uniform runs of one layer
+# (docs/planner.md): the window's per-part model holds a recomputing stage's layers alike.
 FULL_RECOMPUTE_KEPT = (
-    "layer split kept: --recompute-granularity full recomputes whole layers on every stage, so the profiling window "
-    "times no layer's F and B apart; the start-up split, planned with the recompute in force, stands"
+    "layer split kept: the profiling window re-decides the split under --recompute-granularity full only with "
+    "--recompute-method uniform --recompute-num-layers 1 (each layer recomputed alone); the start-up split, planned "
+    "with the recompute in force, stands"
 )
 
 
@@ -309,12 +311,13 @@ def _measure_split(
         recompute=options,
         on_cuda=on_cuda,
     )
-    chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
     explicit = bool(options) and not auto  # an explicit recompute: its one option on every stage, kept
+    analytic = dataclasses.replace(analytic, fixed_recompute=explicit)
+    chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
     in_force = chosen if auto else (options[0].name,) * len(layout.layer_ranges) if explicit else ()
 
     def parts(profile: Profile) -> dict[str, Any] | None:
-        if run.recompute.full:  # every stage recomputes whole layers: they run without autograd at F, untimed
+        if run.recompute.full and (run.recompute.method, run.recompute.num_layers) != ("uniform", 1):
             timer.detach()
             if ctx.rank == 0:
                 log(FULL_RECOMPUTE_KEPT)
@@ -324,10 +327,7 @@ def _measure_split(
         means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
         means = dataclasses.replace(means, stage_layers=profile.stage_layers)
         try:  # every rank combines the same gathered samples, so all fail alike
-            out = timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=in_force)
-            if explicit:  # the planner keeps it on every stage
-                out["fixed_recompute"] = out["predict"]["fixed_recompute"] = True
-            return out
+            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=in_force)
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: no per-part costs ({err})")
