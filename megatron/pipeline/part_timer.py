@@ -26,9 +26,9 @@ full-recompute stage's layer F (its layers run without autograd) and the B of ev
 (its B holds the recompute).  Under an explicit recompute (``ModelCosts.fixed_recompute``, every stage alike) the
 parts are timed with it in force: a recomputed layer's F inside the F action without autograd, its B (recompute and
 backward) between the gradient marks of its input and of the next layer's input (the head's input after the last),
-for runs of one layer; the option then adds nothing to the timed B.  The window then gives one layer's costs *without* recompute
-and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage the choice in force
-in the window; ``--recompute-granularity auto``), from the same measurements:
+for runs of one layer; the option then adds nothing to the timed B.  Under auto the window gives one layer's costs
+*without* recompute and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage
+the choice in force in the window), from the same measurements:
 
 - an option's extra B time: where a stage ran it in the window, that stage's measured B beyond its parts' (the
   layers' without recompute, the embedding's and the head's, whose B is taken in the analytic ratio to their
