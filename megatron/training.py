@@ -55,7 +55,7 @@ from megatron.training_setup import setup
 from megatron.training_step import StepResult, settle_losses, settle_pending_step, train_step
 from zb_pipeline import comm
 from zb_pipeline.runtime.host_allocator import keep_freed_host_memory
-from zb_pipeline.runtime.replanner import MeasuredLimitError
+from zb_pipeline.runtime.replanner import ReplanError
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def pretrain(run: RunConfig, *, stream: TextIO | None = None, scalar_sink: Any =
             err, labels=labels, first_rank=ctx.rank == 0, timeout_s=run.parallel.distributed_timeout_s
         )
         raise PeerFailedRunError(line) from err
-    except MeasuredLimitError as err:  # the profiling window's memory proves the limit impossible: bad input
+    except ReplanError as err:  # the window's measured costs leave no plan (e.g. the limit is proved impossible)
         raise ConfigError(str(err)) from None
     finally:
         ctx.shutdown()

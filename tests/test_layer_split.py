@@ -190,3 +190,72 @@ def test_v_schedule_plans_under_the_byte_limit() -> None:
     assert layout.plans.mem_limit == pytest.approx(limit_gb * 2**30) and layout.plans.costs == layout.split_plan.costs
     assert max(peak_memory(layout.schedule, layout.plans.costs)) <= limit_gb * 2**30
     assert plans_within_bytes("zb-auto") and plans_within_bytes("v-min") and not plans_within_bytes("zb-h1")
+
+
+FULL = ["--recompute-granularity", "full", "--recompute-method"]
+EXPLICIT_RECOMPUTE = {
+    "selective": ["--recompute-activations"],
+    "full": [*FULL, "uniform", "--recompute-num-layers", "1"],
+    "full-uniform-2": [*FULL, "uniform", "--recompute-num-layers", "2"],
+    "full-block-1": [*FULL, "block", "--recompute-num-layers", "1"],
+}
+
+
+def _explicit_model(run):
+    """The start-up planner's model of ``run``'s explicit recompute (every stage takes its option)."""
+    from megatron.model.cost_model import explicit_recompute_option
+
+    rc = run.recompute
+    option = explicit_recompute_option(
+        run.model, granularity=rc.granularity, method=rc.method, num_layers=rc.num_layers,
+        micro_batch_size=2, bytes_per_element=4,
+    )  # fmt: skip
+    model = model_costs(run.model, padded_vocab_size=4096, micro_batch_size=2, recompute=(option,))
+    return dataclasses.replace(model, fixed_recompute=True)
+
+
+@pytest.mark.parametrize("name", list(EXPLICIT_RECOMPUTE))
+def test_explicit_recompute_is_planned_in_force(name: str) -> None:
+    """An explicit --recompute-granularity (not auto): the start-up planner plans the split with it on every stage
+    -- B replays the forward, F keeps what the recompute leaves, B holds the recompute's transient -- so its plan is
+    the explicit model's (``explicit_recompute_option``, ``fixed_recompute``) and a memory limit that only the
+    recompute meets is served (it was refused, planned as if nothing recomputed)."""
+    auto = [*MAKE_TRAIN, "--pipeline-layer-split", "auto"]
+    flags = EXPLICIT_RECOMPUTE[name]
+    run = parse_run_config([*auto, *flags], world_size=4)
+    plan = run.pipeline_layout.split_plan
+    plain = parse_run_config(auto, world_size=4).pipeline_layout.split_plan
+    assert plan.recompute == (name, name)
+    assert plan.iteration > plain.iteration and max(plan.peak_memory) < max(plain.peak_memory)
+    model = _explicit_model(run)
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    iteration, peak = evaluate_split(model, plan.layers, **shape)
+    assert iteration == pytest.approx(plan.iteration) and peak == pytest.approx(plan.peak_memory)
+    # a limit just above the recompute's peak and below what any split without recompute needs
+    limit = ["--pipeline-memory-limit-gb", f"{max(plan.peak_memory) * 1.01 / 2**30:.6f}"]
+    with pytest.raises(ConfigError, match="no layer split fits it with zb-h1 by the analytic model"):
+        parse_run_config([*auto, *limit], world_size=4)
+    served = parse_run_config([*auto, *flags, *limit], world_size=4).pipeline_layout.split_plan
+    assert served.recompute == plan.recompute
+
+
+def test_window_replans_an_explicit_recompute_in_force() -> None:
+    """The window's part model under an explicit recompute carries it as fixed (``fixed_recompute`` in the profile's
+    ``parts``): the measured split is planned with it on every stage and is no recompute change; per-part costs
+    that are the start-up model's give back the start-up split and iteration."""
+    from megatron.pipeline.layer_split import measured_layer_split
+    from zb_pipeline.schedule.profile import Profile
+
+    argv = [*MAKE_TRAIN, "--pipeline-layer-split", "auto", *EXPLICIT_RECOMPUTE["selective"]]
+    run = parse_run_config(argv, world_size=4)
+    layout = run.pipeline_layout
+    start = layout.split_plan
+    pair, parts = (1.0, 1.0), _explicit_model(run).to_dict()
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=pair, b=pair, w=pair, bw=(None, None), comm=0.0, mem_f=pair,
+        mem_b=(0.0, 0.0), mem_w=(-1.0, -1.0), stage_layers=layout.layers_per_stage, parts=parts,
+    )  # fmt: skip
+    decision = measured_layer_split(profile, layout, num_microbatches=run.num_microbatches)
+    assert decision.plan.layers == start.layers and decision.plan.recompute == ("selective", "selective")
+    assert decision.plan.iteration == pytest.approx(start.iteration) and not decision.changes
+    assert decision.current_iteration == pytest.approx(start.iteration)

@@ -338,3 +338,83 @@ def _through_json(parts: dict, profile) -> bool:
 
     again = Profile.from_dict(json.loads(json.dumps(dataclasses.replace(profile, parts=parts).to_dict())))
     return again.model_costs().head.w == 4.0
+
+
+def test_fused_bw_window_replans_and_resplits_from_the_measured_bw() -> None:
+    """1F1B runs only fused BW: the window's re-plan simulates its plan under the measured BW (it has no split B
+    and W to ask for), and each part's B and W are its timed BW shared in the analytic B : W ratio, so the stage
+    planner re-decides the split from what the window measured (a head whose BW weighs four layers' moves one)."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.runtime.replanner import regenerate
+    from zb_pipeline.schedule.profile import Profile, predict_makespan
+    from zb_pipeline.schedule.stage_planner import ModelCosts, plan_stages
+
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(None, None), w=(None, None), bw=(14.0, 16.0),
+        comm=0.25, mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2),
+        schedule="1f1b", num_microbatches=4,
+    )  # fmt: skip
+    replan = regenerate(profile, 4, name="1f1b")
+    assert [replan.costs.bw(s) for s in range(2)] == pytest.approx(profile.bw)
+    assert replan.result.makespan == pytest.approx(predict_makespan(profile, replan.schedule, overhead=False))
+    with pytest.raises(ValueError, match="fused BW.*zb-h1"):  # a split plan needs the split times
+        regenerate(profile, 4, name="zb-h1")
+
+    def parts_for(head_bw: float) -> dict:
+        summaries = [
+            {"embedding": {"f": [0.3], "bw": [0.6]}, "layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
+            {"layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}, "head": {"f": [2.0], "bw": [head_bw]}},
+        ]
+        return combine_parts(summaries, profile, _analytic(num_layers=4))
+
+    parts = parts_for(3.0)
+    # analytic B : W of a layer 2 : 1, of the embedding 0 : 0.5, of the head 2 : 2
+    assert (parts["layer"]["b"], parts["layer"]["w"]) == pytest.approx((2.0, 1.0))
+    assert (parts["embedding"]["b"], parts["embedding"]["w"]) == pytest.approx((0.0, 0.6))
+    assert (parts["head"]["b"], parts["head"]["w"]) == pytest.approx((1.5, 1.5))
+    shape = dict(schedule="1f1b", num_ranks=2, num_microbatches=4)
+    assert plan_stages(ModelCosts.from_dict(parts), **shape).layers == (2, 2)
+    assert plan_stages(ModelCosts.from_dict(parts_for(12.0)), **shape).layers == (3, 1)
+
+
+@pytest.mark.slow
+def test_fused_bw_schedule_with_auto_split_and_window_trains() -> None:
+    """pretrain with 1F1B, the auto split, a memory limit and a profiling window: the window re-plans and re-decides
+    the split from the measured BW (it once ended in a traceback asking for split B and W times), and the losses are
+    those of the run without a window, to the bit."""
+    argv = [*ARGV, "--pipeline-schedule", "1f1b", *AUTO, "--pipeline-memory-limit-gb", "0.001", "--train-iters", "5"]
+    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+    got = run_multiprocess(_pretrain, 2, args=([*argv, *window],), timeout_s=240)
+    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
+    assert got[0]["losses"] == ref["losses"]
+    log = "".join(r["log"] for r in got)
+    assert "replanned 1f1b (p=2, m=4) from profiled costs" in log
+    assert "layer split from measured per-part costs" in log
+
+
+@pytest.mark.parametrize("method,measured", [("uniform", True), pytest.param("block", False, marks=pytest.mark.slow)])
+def test_window_under_explicit_full_recompute(method: str, measured: bool) -> None:
+    """--recompute-granularity full on every stage: with uniform runs of one layer the window times each layer's F
+    (without autograd) and B (its recompute and backward) and re-decides the split from them, the option fixed in
+    the profile's parts; with block it keeps the split the start-up planner chose with the recompute in force and
+    says so in one line.  Either way the losses are those of the run without a window."""
+    import tempfile
+
+    from megatron.pipeline.trainer_hooks import FULL_RECOMPUTE_KEPT
+    from zb_pipeline.schedule.profile import Profile
+
+    full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", "1"]
+    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
+    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
+    with tempfile.TemporaryDirectory() as save:
+        got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
+        profile = Profile.load(f"{save}/zb_profile.json")
+    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
+    assert got[0]["losses"] == ref["losses"]
+    log = "".join(r["log"] for r in got)
+    assert ("layer split from measured per-part costs" in log) == measured
+    assert (FULL_RECOMPUTE_KEPT in log) != measured
+    if measured:
+        parts = profile.model_costs()
+        assert parts.fixed_recompute and [o.name for o in parts.recompute] == ["full"]
+        assert parts.recompute[0].b_extra == 0.0 and min(parts.layer.f, parts.layer.b) > 0

@@ -20,6 +20,8 @@ the output is the output projection's input.
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron.model.config import GPTConfig
 from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts, RecomputeOption
 
@@ -285,6 +287,31 @@ def recompute_options(
     )
 
 
+def explicit_recompute_option(
+    config: GPTConfig,
+    *,
+    granularity: str,
+    method: str | None,
+    num_layers: int | None,
+    micro_batch_size: int,
+    bytes_per_element: int,
+    on_cuda: bool = False,
+) -> RecomputeOption:
+    """The option of an explicit ``--recompute-granularity`` (every stage takes it; the stage planner plans the split
+    with it in force, ``ModelCosts.fixed_recompute``): selective, or full in runs of ``--recompute-num-layers``
+    (uniform) or of a stage's first ``--recompute-num-layers`` layers (block) -- ``recompute_options``' own with the
+    run or the block (``RecomputeOption.run``/``block``)."""
+    selective, full = recompute_options(
+        config, micro_batch_size=micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda
+    )
+    if granularity == "selective":
+        return selective
+    n = num_layers or 1
+    if method == "block":
+        return dataclasses.replace(full, name=f"full-block-{n}", block=n)
+    return full if n == 1 else dataclasses.replace(full, name=f"full-uniform-{n}", run=n)
+
+
 def model_costs(
     config: GPTConfig,
     *,
@@ -302,6 +329,12 @@ def model_costs(
     head, loss = head_forward_flops_per_token(config, padded_vocab_size), loss_flops_per_token(padded_vocab_size)
     emb = embedding_flops_per_token(config)
     scale = tokens / GFLOP
+    emb_bytes = (
+        embedding_activation_bytes_per_token(
+            config, bytes_per_element, micro_batch_size=micro_batch_size, on_cuda=on_cuda
+        )
+        * tokens
+    )
     return ModelCosts(
         num_layers=config.num_layers,
         layer=PartCosts(
@@ -319,10 +352,8 @@ def model_costs(
             f=emb * scale,
             b=0.0,
             w=emb * scale,
-            mem_f=embedding_activation_bytes_per_token(
-                config, bytes_per_element, micro_batch_size=micro_batch_size, on_cuda=on_cuda
-            )
-            * tokens,
+            mem_f=emb_bytes,
+            mem_b=-emb_bytes,  # B frees it all: its W reads the token ids, the microbatch's own input
         ),
         head=PartCosts(
             f=(head + loss) * scale,

@@ -56,7 +56,7 @@ class GPTEmbedding(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
         # tokens (and position_ids, default offset..offset+s-1): [b, s] int64
         partial = self.word_embeddings(tokens)  # [b, s, h], this rank's vocabulary rows only
-        x = reduce_from_tp(partial.transpose(0, 1), self.tp)  # [s, b, h]
+        x = reduce_from_tp(partial.transpose(0, 1).contiguous(), self.tp)  # [s, b, h], laid out as such
         if self.position_embeddings is not None:
             x = x + self.position_embeddings(tokens.shape[1], position_ids, offset)  # + [s, 1 or b, h]
         if self.fp32_residual:

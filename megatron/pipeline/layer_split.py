@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from megatron.config.errors import ConfigError, require
 from megatron.config.parallel import ParallelConfig
+from megatron.config.recompute import RecomputeConfig
 from megatron.model.config import GPTConfig
-from megatron.model.cost_model import model_costs
+from megatron.model.cost_model import explicit_recompute_option, model_costs, recompute_options
 from megatron.pipeline.layout import PipelineLayout
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.memory import schedule_mem_limit
@@ -51,10 +52,12 @@ def auto_layer_split(
     recompute: tuple[RecomputeOption, ...] = (),
     mem_limit: float | None = None,
     on_cuda: bool = False,
+    fixed_recompute: bool = False,
 ) -> PipelineLayout:
     """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
-    ``recompute``: the options a stage may take; ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a
-    GPU (the analytic activation bytes follow its kernels)."""
+    ``recompute``: the options a stage may take (``fixed_recompute``: the one every stage takes, an explicit
+    ``--recompute-granularity``); ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a GPU (the
+    analytic activation bytes follow its kernels)."""
     if schedule_file is not None:
         raise ConfigError(
             "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
@@ -67,6 +70,7 @@ def auto_layer_split(
         recompute=recompute,
         on_cuda=on_cuda,
     )
+    costs = dataclasses.replace(costs, fixed_recompute=fixed_recompute)
     shape = dict(
         schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
@@ -75,8 +79,8 @@ def auto_layer_split(
     except PlannerError as err:
         if err.smallest is None:
             raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
-        what = "layer split or recompute choice" if recompute else "layer split"
-        hint = "" if recompute else "; or let stages recompute: --recompute-granularity auto"
+        what = "layer split or recompute choice" if recompute and not fixed_recompute else "layer split"
+        hint = "" if recompute and not fixed_recompute else "; or let stages recompute: --recompute-granularity auto"
         raise ConfigError(
             f"--pipeline-memory-limit-gb {mem_limit / GIB:g}: no {what} fits it with {schedule} by the analytic "
             f"model; the smallest limit that works is {_ceil_gib(err.smallest)} GiB{hint}"
@@ -86,6 +90,24 @@ def auto_layer_split(
     even = even_split(costs.num_layers, layout.schedule.num_stages)
     even_time = None if even is None else evaluate_split(costs, even, **shape)[0]
     return _runs_plan(layout.with_split(plan.layers, split="auto", plan=plan, even=even_time), plan, mem_limit)
+
+
+def planner_recompute(
+    model: GPTConfig, recompute: RecomputeConfig, *, micro_batch_size: int, bytes_per_element: int, on_cuda: bool
+) -> tuple[RecomputeOption, ...]:
+    """The recompute options the stage planner plans with: ``--recompute-granularity auto``'s choices, an explicit
+    recompute's one option (every stage takes it: ``ModelCosts.fixed_recompute``), or none."""
+    shape = dict(micro_batch_size=micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda)
+    if recompute.auto:
+        return recompute_options(model, **shape)
+    if not recompute.enabled:
+        return ()
+    rc = recompute
+    return (
+        explicit_recompute_option(
+            model, granularity=rc.granularity, method=rc.method, num_layers=rc.num_layers, **shape
+        ),
+    )
 
 
 def plans_within_bytes(schedule: str) -> bool:
@@ -195,6 +217,7 @@ def measured_layer_split(
         even_iteration=even_time,
         step=predict.step,
         current_recompute=None if recompute is None else tuple(recompute),
+        fixed_recompute=costs.fixed_recompute,
     )
 
 
@@ -214,6 +237,7 @@ class MeasuredSplit:
     step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
     # --recompute-granularity auto: the recompute choice per virtual stage in force (None: not auto, not decided)
     current_recompute: tuple[str, ...] | None = None
+    fixed_recompute: bool = False  # an explicit recompute, in force on every stage before and after
 
     @property
     def moves_layers(self) -> bool:
@@ -221,6 +245,8 @@ class MeasuredSplit:
 
     @property
     def recompute_changes(self) -> bool:
+        if self.fixed_recompute:
+            return False
         current = self.current_recompute or (NO_RECOMPUTE,) * len(self.current)
         return tuple(self.plan.recompute) != tuple(current)
 

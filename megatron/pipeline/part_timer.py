@@ -8,7 +8,8 @@ times them inside the profiling window through declared hooks only:
   head with the loss is the time from the last layer's end to the stage's end);
 - B: tensor gradient hooks, registered at F, on each part's boundary tensors (the loss, each layer's output and
   input); inside one B action their firing times bound each part's backward (the embedding's is the rest of the B
-  action after its output's gradient), the B handler wrapped through the runtime's ``wrap_handler``;
+  action after its output's gradient), the B handler wrapped through the runtime's ``wrap_handler``; in a fused
+  BW (1F1B) the same hooks bound each part's B and W together, shared in the analytic B : W ratio;
 - W and the activation memory per part: the stage profile's measured W and memory of each stage, shared among its
   parts in the proportions of the analytic cost model (``megatron.model.cost_model``) -- the deferred weight
   gradients of a stage run as one queue, which no hook splits by part;
@@ -20,11 +21,14 @@ times them inside the profiling window through declared hooks only:
 - the time per iteration outside the actions (the profile's ``boundary``: the optimizer step and the
   iteration-boundary work) as the model's ``step``, which the planner adds to every candidate's iteration.
 
-Stages that recompute are left out of the part times they would distort: a full-recompute stage's F (its layers run
-without autograd; their outputs are rebuilt at B, so the hooks registered at F never fire) and the B of every stage
-that recomputes anything (its B holds the recompute).  The window then gives one layer's costs *without* recompute
-and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage the choice in force
-in the window; ``--recompute-granularity auto``), from the same measurements:
+Under ``--recompute-granularity auto`` stages that recompute are left out of the part times they would distort: a
+full-recompute stage's layer F (its layers run without autograd) and the B of every stage that recomputes anything
+(its B holds the recompute).  Under an explicit recompute (``ModelCosts.fixed_recompute``, every stage alike) the
+parts are timed with it in force: a recomputed layer's F inside the F action without autograd, its B (recompute and
+backward) between the gradient marks of its input and of the next layer's input (the head's input after the last),
+for runs of one layer; the option then adds nothing to the timed B.  Under auto the window gives one layer's costs
+*without* recompute and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage
+the choice in force in the window), from the same measurements:
 
 - an option's extra B time: where a stage ran it in the window, that stage's measured B beyond its parts' (the
   layers' without recompute, the embedding's and the head's, whose B is taken in the analytic ratio to their
@@ -79,6 +83,7 @@ class PartTimer:
         self.samples: dict[tuple[str, str], list[float]] = {}  # (part, "f"/"b") -> ms per microbatch (layer: each)
         self._pending: list[tuple[str, str, Any, Any]] = []  # CUDA: (part, kind, start event, end event)
         self._in_b = False
+        self._in_f = False  # inside an F action (a recomputed run's layers time their F there without autograd)
         self._marks: dict[tuple[str, int], Any] | None = None  # inside a B action: boundary -> gradient time
         self._layer_start: Any = None
         self._last_layer_end: Any = None
@@ -96,7 +101,9 @@ class PartTimer:
     # -- wiring -----------------------------------------------------------------------------------------------
     def _install(self) -> None:
         self.runtime.hooks.iteration_start.append(self._begin_iteration)
-        self.runtime.wrap_handler(Kind.B, self._wrap_b)
+        self.runtime.wrap_handler(Kind.F, self._wrap_f)
+        self.runtime.wrap_handler(Kind.B, self._wrap_b("b"))
+        self.runtime.wrap_handler(Kind.BW, self._wrap_b("bw"))  # a fused backward: each part's B and W together
         for module in self.stages.values():
             if module.embedding is not None:
                 self._handles.append(module.embedding.register_forward_pre_hook(self._emb_pre))
@@ -106,6 +113,8 @@ class PartTimer:
                 self._handles.append(layer.register_forward_hook(self._layer_post(i, len(module.layers))))
             if module.post_process:
                 self._handles.append(module.register_forward_hook(self._stage_post))
+                if module.recompute_segments and module.final_layernorm is not None:  # the last run's output
+                    self._handles.append(module.final_layernorm.register_forward_pre_hook(self._head_pre(module)))
 
     def detach(self) -> None:
         """Remove the module hooks (the handler wrapper stays, inactive)."""
@@ -122,7 +131,7 @@ class PartTimer:
     def _times_b(self, module: Any) -> bool:
         """Whether ``module``'s B is timed: not a full-recompute stage (its layers' hooks never fire), nor, with
         ``layers_without_recompute``, a stage that recomputes anything (its B holds the recompute)."""
-        if module.recompute_segments:
+        if module.recompute_segments and not _runs_of_one(module):  # a run's inner boundaries carry no gradient
             return False
         return not (self.layers_without_recompute and recomputes(module))
 
@@ -133,11 +142,13 @@ class PartTimer:
     def _timing_forward(self, module: Any) -> bool:
         """Whether ``module``'s forward is timed as a part: with autograd on, and for a layer its stage not
         recomputing whole layers (their F runs without autograd; the head is timed from the last one's end)."""
-        if not self._in_forward() or not torch.is_grad_enabled():
+        if not self._in_forward():
             return False
         stage = self._owner.get(id(module))
         layer = stage is not None and module is not stage and module is not stage.embedding
-        return not (layer and stage.recompute_segments)
+        if layer and stage.recompute_segments:  # its recomputed runs' F runs without autograd, inside the F action
+            return self._in_f and not self.layers_without_recompute and _runs_of_one(stage)
+        return torch.is_grad_enabled()
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
@@ -200,8 +211,33 @@ class PartTimer:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(self._mark(("loss", 0)))
 
+    def _wrap_f(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def handler(ex: Any, a: Any) -> Any:
+            self._in_f = True
+            try:
+                return inner(ex, a)
+            finally:
+                self._in_f = False
+
+        return handler
+
+    def _head_pre(self, stage: Any) -> Callable[[Any, Any], None]:
+        """The head's input is the last layer's output; a recomputed run's output gets its gradient mark here."""
+
+        def hook(module: Any, args: Any) -> None:
+            x = args[0]
+            if self._in_f and self._timing_forward(stage.layers[-1]) and isinstance(x, torch.Tensor):
+                if x.requires_grad:
+                    x.register_hook(self._mark(("out", len(stage.layers) - 1)))
+
+        return hook
+
     # -- B ----------------------------------------------------------------------------------------------------
-    def _wrap_b(self, inner: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    def _wrap_b(self, kind: str) -> Callable[[Callable[[Any, Any], Any]], Callable[[Any, Any], Any]]:
+        """The wrapper of the B (``kind`` "b") or the fused BW ("bw") handler: times each part's backward."""
+        return lambda inner: self._timed_backward(inner, kind)
+
+    def _timed_backward(self, inner: Callable[[Any, Any], Any], kind: str) -> Callable[[Any, Any], Any]:
         def handler(ex: Any, a: Any) -> Any:
             module = self._timed_b.get(a.stage) if self.active else None
             if module is None:
@@ -213,20 +249,23 @@ class PartTimer:
                 marks = self._marks
             finally:
                 self._in_b, self._marks = False, None
-            self._b_parts(module, marks, end)
+            self._b_parts(module, marks, end, kind)
             return out
 
         return handler
 
-    def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any) -> None:
+    def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any, kind: str) -> None:
         n = len(module.layers)
+        for i in range(n - 1):  # a recomputed layer's output is the next one's input (its own has no gradient)
+            if ("out", i) not in marks and ("in", i + 1) in marks:
+                marks[("out", i)] = marks[("in", i + 1)]
         if module.post_process and ("loss", 0) in marks and ("out", n - 1) in marks:
-            self._record("head", "b", marks[("loss", 0)], marks[("out", n - 1)])
+            self._record("head", kind, marks[("loss", 0)], marks[("out", n - 1)])
         for i in range(n):
-            if ("out", i) in marks and ("in", i) in marks:
-                self._record("layer", "b", marks[("out", i)], marks[("in", i)])
+            if ("out", i) in marks and ("in", i) in marks:  # a recomputed layer's: its recompute and backward
+                self._record("layer", kind, marks[("out", i)], marks[("in", i)])
         if module.embedding is not None and ("in", 0) in marks:
-            self._record("embedding", "b", marks[("in", 0)], end)
+            self._record("embedding", kind, marks[("in", 0)], end)
 
     # -- results ----------------------------------------------------------------------------------------------
     def local_summary(self) -> dict[str, dict[str, list[float]]]:
@@ -267,6 +306,11 @@ class PartTimer:
         return out
 
 
+def _runs_of_one(stage: Any) -> bool:
+    """Whether each recomputed run of ``stage`` is one layer (uniform with one layer per run, or block)."""
+    return all(stop - start == 1 for start, stop in stage.recompute_segments)
+
+
 def recomputes(stage: Any) -> bool:
     """Whether a ``GPTStage`` recomputes anything at B (whole layers, or its layers' core attention)."""
     if stage.recompute_segments:
@@ -294,7 +338,7 @@ def combine_parts(
     summary = statistics.median if statistic == "median" else statistics.fmean
     measured: dict[str, dict[str, float]] = {}
     for part in PARTS:
-        for kind in ("f", "b"):
+        for kind in ("f", "b", "bw"):
             values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
             if values:
                 measured.setdefault(part, {})[kind] = float(summary(values))
@@ -309,7 +353,7 @@ def combine_parts(
     if unknown or (recompute and len(recompute) != profile.num_stages):
         raise ValueError(f"recompute choices {list(recompute)} are not one of {list(names)} per virtual stage")
     opts = [names.index(c) for c in recompute] if recompute else [0] * profile.num_stages
-    if analytic.recompute and "b" not in measured["layer"]:
+    if analytic.recompute and not {"b", "bw"} & set(measured["layer"]):
         raise ValueError("the profiling window timed no layer backward without recompute (every stage recomputes)")
     last = profile.num_stages - 1
     an = {"embedding": analytic.embedding, "layer": analytic.layer, "head": analytic.head}
@@ -336,16 +380,23 @@ def combine_parts(
     parts: dict[str, dict[str, float]] = {}
     for part in PARTS:
         f = measured[part]["f"]
-        b = measured[part].get("b")
-        if b is None:  # B not timed (its stages recompute): the analytic ratio to the measured F
+        b, bw = measured[part].get("b"), measured[part].get("bw")
+        if b is None and bw is not None:  # fused BW only: its measured BW shared in the analytic B : W ratio
+            b_share = an[part].b / (an[part].b + an[part].w) if an[part].b + an[part].w > 0 else 1.0
+            b = bw * b_share
+        elif b is None:  # B not timed (its stages recompute): the analytic ratio to the measured F
             b = an[part].b * (f / an[part].f) if an[part].f > 0 else 0.0
         if w_stage is not None:
             w = share(part, "w", w_stage)
-        else:  # fused BW only: W in the analytic ratio to the measured F
+        elif bw is not None and measured[part].get("b") is None:  # fused BW only: the rest of its measured BW
+            w = bw - b
+        else:  # fused BW only, not timed: W in the analytic ratio to the measured F
             w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
         parts[part] = {"f": f, "b": b, "w": w}
     _memory(parts, profile, analytic, opts)
-    ran = _measured_recompute(parts, profile, held, opts)
+    # an explicit recompute (``analytic.fixed_recompute``) is in force on every stage: the layers' B were timed
+    # with it, so it adds nothing beyond them
+    ran = {} if analytic.fixed_recompute else _measured_recompute(parts, profile, held, opts)
     options = _measured_options(analytic, parts, ran, profile, opts)
     extra = [0.0] + [o.b_extra for o in options]  # what each option adds to a layer's B
 
@@ -363,6 +414,8 @@ def combine_parts(
         out[part] = {**q, "f": max(q["f"], 1e-6), "b": max(q["b"], 0.0), "w": max(q["w"], 0.0)}
     if options:
         out["recompute"] = [dataclasses.asdict(o) for o in options]
+    if analytic.fixed_recompute:
+        out["fixed_recompute"] = True
     return out
 
 
@@ -385,13 +438,13 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
     c = float(statistics.median(factors)) if factors else 1.0
     emb_f = analytic.embedding.mem_f * c
     layer_f = a.mem_f * c
-    per_layer = [(held[s] - (emb_f if s == 0 else 0.0)) / layers[s] for s in body if layers[s]]
+    per_layer = [held[s] / layers[s] for s in body if layers[s]]  # the embedding holds nothing after B
     layer_held = max(float(statistics.median(per_layer)), 0.0) if per_layer else layer_f
     last = S - 1
     rest_f = profile.mem_f[last] - layers[last] * kept[opts[last]] * c - (emb_f if last == 0 else 0.0)
-    rest_held = held[last] - layers[last] * layer_held - (emb_f if last == 0 else 0.0)
+    rest_held = held[last] - layers[last] * layer_held
     head_f = max(rest_f, 0.0)
-    parts["embedding"].update(mem_f=emb_f, mem_b=0.0)  # it keeps the token ids for its W
+    parts["embedding"].update(mem_f=emb_f, mem_b=-emb_f)  # its W reads the token ids, the microbatch's input
     parts["layer"].update(mem_f=layer_f, mem_b=max(layer_held, 0.0) - layer_f)
     parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
 
@@ -433,7 +486,7 @@ def _measured_options(
     out = []
     for i, o in enumerate(analytic.recompute, start=1):
         keeps = o.mem_f * mem_scale
-        b_extra = ran.get(i, o.b_extra * time_scale)
+        b_extra = 0.0 if analytic.fixed_recompute else ran.get(i, o.b_extra * time_scale)
         swap, head = held - keeps, parts["head"]["mem_b"]
         measured = _measured_transient(profile, opts, i, swap=swap, head=head)
         transient = o.transient * mem_scale if measured is None else measured

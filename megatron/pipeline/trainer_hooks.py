@@ -40,7 +40,7 @@ from megatron.data.loader import train_microbatches
 from megatron.deferred_loss import PendingLoss
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
-from megatron.model.cost_model import model_costs, recompute_options
+from megatron.model.cost_model import model_costs
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
@@ -50,6 +50,7 @@ from megatron.pipeline.layer_split import (
     measured_layer_split,
     measured_limit_error,
     memory_limit_bytes,
+    planner_recompute,
     plans_within_bytes,
 )
 from megatron.pipeline.part_timer import PartTimer
@@ -274,6 +275,15 @@ def _measures_split(run: RunConfig) -> bool:
     return run.parallel.layer_split == "auto" and layout is not None and layout.split == "auto"
 
 
+# Why the window keeps the start-up split under an explicit full recompute other than uniform runs of one layer
+# (docs/planner.md): the window's per-part model holds a recomputing stage's layers alike.
+FULL_RECOMPUTE_KEPT = (
+    "layer split kept: the profiling window re-decides the split under --recompute-granularity full only with "
+    "--recompute-method uniform --recompute-num-layers 1 (each layer recomputed alone); the start-up split, planned "
+    "with the recompute in force, stands"
+)
+
+
 def _measure_split(
     replanner: WindowReplanner, pipe: GPTPipeline, run: RunConfig, ctx: ParallelContext, log: Any
 ) -> None:
@@ -286,26 +296,38 @@ def _measure_split(
     )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"
-    options = recompute_options(
-        run.model, micro_batch_size=run.training.micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda
+    options = planner_recompute(
+        run.model,
+        run.recompute,
+        micro_batch_size=run.training.micro_batch_size,
+        bytes_per_element=bytes_per_element,
+        on_cuda=on_cuda,
     )
     analytic = model_costs(
         run.model,
         padded_vocab_size=run.padded_vocab_size,
         micro_batch_size=run.training.micro_batch_size,
         bytes_per_element=bytes_per_element,
-        recompute=options if auto else (),
+        recompute=options,
         on_cuda=on_cuda,
     )
+    explicit = bool(options) and not auto  # an explicit recompute: its one option on every stage, kept
+    analytic = dataclasses.replace(analytic, fixed_recompute=explicit)
     chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
+    in_force = chosen if auto else (options[0].name,) * len(layout.layer_ranges) if explicit else ()
 
     def parts(profile: Profile) -> dict[str, Any] | None:
+        if run.recompute.full and (run.recompute.method, run.recompute.num_layers) != ("uniform", 1):
+            timer.detach()
+            if ctx.rank == 0:
+                log(FULL_RECOMPUTE_KEPT)
+            return None
         # the window's means too (collective over the pipeline group; the latency is the median profile's): they
         # predict the iteration the trainer logs at the decision, the medians plan it
         means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")
         means = dataclasses.replace(means, stage_layers=profile.stage_layers)
         try:  # every rank combines the same gathered samples, so all fail alike
-            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=chosen or ())
+            return timer.gather(profile, analytic, group=ctx.pp_group, predict=means, recompute=in_force)
         except ValueError as err:
             if ctx.rank == 0:
                 log(f"layer split kept: no per-part costs ({err})")

@@ -23,7 +23,7 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule
 from zb_pipeline.schedule.post_validation_pass import add_post_validation, has_post_validation
-from zb_pipeline.schedule.profile import Profile, costs_for, mem_limit_for_microbatches
+from zb_pipeline.schedule.profile import Profile, costs_for, fuses_backward, mem_limit_for_microbatches
 from zb_pipeline.schedule.simulate import SimResult, simulate
 from zb_pipeline.schedule.validate import check_and_lower, validate_lowered
 
@@ -31,10 +31,23 @@ if TYPE_CHECKING:
     from zb_pipeline.runtime.executor import PipelineExecutor
     from zb_pipeline.schedule.lowering import LoweredSchedule
 
-__all__ = ["MeasuredLimitError", "Replan", "WindowReplanner", "adaptive_mem_limit", "regenerate", "switch_plan"]
+__all__ = [
+    "MeasuredLimitError",
+    "Replan",
+    "ReplanError",
+    "WindowReplanner",
+    "adaptive_mem_limit",
+    "regenerate",
+    "switch_plan",
+]
 
 
-class MeasuredLimitError(ValueError):
+class ReplanError(ValueError):
+    """The profiling window's measured costs leave no plan of the run's schedule; ``str()`` is one line naming the
+    problem and what to change.  Every rank holds the same agreed profile, so every rank raises it."""
+
+
+class MeasuredLimitError(ReplanError):
     """At the end of the profiling window no plan of the schedule fits the memory limit under the measured
     activations.  ``str()`` is one line naming the limit (``flag``), the window and the generator's answer (which
     names the smallest limit that works).  Every rank holds the same profile and limit, so every rank raises it."""
@@ -72,9 +85,15 @@ def regenerate(
     chunks: int | None = None,
     mem_limit: float | None = None,
 ) -> Replan:
-    """Generate schedule ``name`` from the profiled per-stage costs; ``mem_limit`` is per rank in bytes."""
-    c, costs = costs_for(profile, name, chunks=chunks)
+    """Generate schedule ``name`` from the profiled per-stage costs; ``mem_limit`` is per rank in bytes.
+
+    A profile of fused ``BW`` only (a 1F1B-like run) plans a schedule that fuses its backward too from the
+    measured BW (``Profile.to_stage_costs(fused=True)``); a plan that splits B and W on a stage profiled fused
+    needs the split times (``ValueError`` naming the profile to take)."""
+    c, costs = costs_for(profile, name, chunks=chunks, fused=not profile.splits_backward)
     sched = registry.generate(name, profile.num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
+    if not profile.splits_backward and not fuses_backward(sched):
+        c, costs = costs_for(profile, name, chunks=chunks)  # raises: B and W apart were not measured
     return Replan(sched, costs, simulate(sched, costs), mem_limit)
 
 
@@ -191,9 +210,12 @@ class WindowReplanner:
                 profile, current.num_microbatches, name=self.name, chunks=current.chunks, mem_limit=limit
             )
         except ValueError as err:
-            if limit is None:
-                raise
             first = str(err).splitlines()[0]
+            if limit is None:
+                raise ReplanError(
+                    f"the re-plan of {self.name} at the end of the profiling window (iterations {self.start_iter}-"
+                    f"{self.end_iter - 1}) failed: {first}"
+                ) from None
             raise MeasuredLimitError(
                 f"{self.limit_flag} ({limit:.0f} bytes per rank): the activations measured in the profiling window "
                 f"(iterations {self.start_iter}-{self.end_iter - 1}) leave no {self.name} plan within it: {first}",

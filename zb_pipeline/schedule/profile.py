@@ -75,6 +75,11 @@ class Profile:
     def num_stages(self) -> int:
         return len(self.f)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether every stage has separate B and W times (else some ran fused ``BW`` only)."""
+        return all(b is not None and w is not None for b, w in zip(self.b, self.w))
+
     # -- costs ------------------------------------------------------------------------------------------------
     def _split(self, s: int, *, fused: bool = False) -> tuple[float, float]:
         """(B, W) of stage ``s``; ``fused=True`` lets a stage that only ran ``BW`` count its whole backward as B (W
@@ -248,11 +253,12 @@ def load_profile(path: str | os.PathLike[str]) -> Profile:
     return Profile.load(path)
 
 
-def costs_for(profile: Profile, name: str, *, chunks: int | None = None) -> tuple[int, StageCosts]:
-    """(chunks, StageCosts) of schedule ``name`` under ``profile``."""
+def costs_for(profile: Profile, name: str, *, chunks: int | None = None, fused: bool = False) -> tuple[int, StageCosts]:
+    """(chunks, StageCosts) of schedule ``name`` under ``profile`` (``fused``: see ``Profile.to_stage_costs``)."""
     spec = registry.get(name)
     c = spec.default_chunks if chunks is None else chunks
-    return c, profile.to_stage_costs(chunks=c, stage_to_rank=placement_of(name, profile.num_ranks, c))
+    target = placement_of(name, profile.num_ranks, c)
+    return c, profile.to_stage_costs(chunks=c, stage_to_rank=target, fused=fused)
 
 
 def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = True) -> float:
@@ -260,11 +266,15 @@ def predict_makespan(profile: Profile, schedule: Schedule, *, overhead: bool = T
     medians, plus the runtime's per-action overhead when ``overhead`` (default) and the profile measured it.  A
     plan that fuses every backward may be predicted from a profile of fused ``BW`` times."""
     c = schedule.num_stages // schedule.num_ranks
-    fused = not any(a.kind in (Kind.B, Kind.W) for acts in schedule.ranks for a in acts)
     costs = profile.to_stage_costs(
-        chunks=c, stage_to_rank=tuple(schedule.stage_to_rank), fused=fused, overhead=overhead
+        chunks=c, stage_to_rank=tuple(schedule.stage_to_rank), fused=fuses_backward(schedule), overhead=overhead
     )
     return simulate(schedule, costs).makespan
+
+
+def fuses_backward(schedule: Schedule) -> bool:
+    """Whether every backward of ``schedule`` is a fused ``BW`` (no separate B or W)."""
+    return not any(a.kind in (Kind.B, Kind.W) for acts in schedule.ranks for a in acts)
 
 
 def mem_limit_for_microbatches(profile: Profile, n: float) -> float:

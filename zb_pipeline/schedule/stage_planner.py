@@ -86,7 +86,10 @@ class RecomputeOption:
     keeps ``mem_f`` (the layer's input, ...) and B adds ``mem_b`` (what W needs minus what it freed).  While B
     recomputes the layer it holds ``transient`` above what F kept of it (the rebuilt graph less what the layer's
     backward has freed by then); ``transient_bw`` the same inside a fused BW, whose W work runs as it goes
-    (``ModelCosts.stage_transient`` makes a stage's of them)."""
+    (``ModelCosts.stage_transient`` makes a stage's of them).  Whole-layer recompute in runs (Megatron's
+    ``--recompute-method``): ``run`` layers recompute as one unit (uniform; F keeps one ``mem_f`` per run and B
+    rebuilds the run's other layers beside the first's transient); ``block`` > 0 recomputes only a stage's first
+    ``block`` layers (the rest keep their activations)."""
 
     name: str
     b_extra: float
@@ -94,6 +97,8 @@ class RecomputeOption:
     mem_b: float = 0.0
     transient: float = 0.0
     transient_bw: float = 0.0
+    run: int = 1
+    block: int = 0
 
     def __post_init__(self) -> None:
         if self.name == NO_RECOMPUTE:
@@ -101,6 +106,12 @@ class RecomputeOption:
         PartCosts(f=0.0, b=self.b_extra, w=0.0, mem_f=self.mem_f, mem_b=self.mem_b)  # same checks
         if not (math.isfinite(self.transient) and math.isfinite(self.transient_bw)):
             raise ValueError(f"recompute option {self.name!r}: transients must be finite")
+        if self.run < 1 or self.block < 0:
+            raise ValueError(f"recompute option {self.name!r}: run={self.run} must be >= 1 and block={self.block} >= 0")
+
+    def recomputed(self, num_layers: int) -> int:
+        """How many of a stage's ``num_layers`` layers recompute (its first ones)."""
+        return num_layers if self.block == 0 else min(self.block, num_layers)
 
     def apply(self, layer: PartCosts) -> PartCosts:
         return PartCosts(f=layer.f, b=layer.b + self.b_extra, w=layer.w, mem_f=self.mem_f, mem_b=self.mem_b)
@@ -136,6 +147,9 @@ class ModelCosts:
     # Time every virtual stage's F, B and W takes beyond its parts (the runtime's work per action); memory unused.
     overhead: PartCosts = PartCosts(f=0.0, b=0.0, w=0.0)
     step: float = 0.0  # time per iteration outside the pipeline's actions (optimizer step, iteration boundary)
+    # Every stage takes ``recompute[0]`` (an explicit recompute, e.g. Megatron's --recompute-granularity full): the
+    # planner chooses the split only, "none" is no candidate.
+    fixed_recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -147,6 +161,8 @@ class ModelCosts:
         names = [o.name for o in self.recompute]
         if len(set(names)) != len(names):
             raise ValueError(f"recompute option names repeat: {names}")
+        if self.fixed_recompute and len(self.recompute) != 1:
+            raise ValueError(f"a fixed recompute needs exactly one recompute option, got {names}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
@@ -165,6 +181,7 @@ class ModelCosts:
                 recompute=rec,
                 overhead=over,
                 step=float(d.get("step", 0.0)),
+                fixed_recompute=bool(d.get("fixed_recompute", False)),
                 **parts,
             )
         except KeyError as err:
@@ -181,14 +198,20 @@ class ModelCosts:
     def stage_part(self, num_layers: int, option: int, *, first: bool, last: bool) -> PartCosts:
         """One virtual stage: ``num_layers`` layers under option ``option`` (0 = none), plus the embedding/head and
         the per-action overhead."""
-        layer = self.layer if option == 0 else self.recompute[option - 1].apply(self.layer)
-        parts = [(num_layers, layer), (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
+        k, kept = 0, 0.0  # layers that recompute; what their runs' F keeps beyond one input per run
+        layers = [(num_layers, self.layer)]
+        if option:
+            o = self.recompute[option - 1]
+            k = o.recomputed(num_layers)
+            layers = [(num_layers - k, self.layer), (k, o.apply(self.layer))]
+            kept = (k - math.ceil(k / o.run)) * o.mem_f  # uniform runs: one input per run, not per layer
+        parts = [*layers, (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
         return PartCosts(
             f=sum(n * q.f for n, q in parts),
             b=sum(n * q.b for n, q in parts),
             w=sum(n * q.w for n, q in parts),
-            mem_f=sum(n * q.mem_f for n, q in parts),
-            mem_b=sum(n * q.mem_b for n, q in parts),
+            mem_f=sum(n * q.mem_f for n, q in parts) - kept,
+            mem_b=sum(n * q.mem_b for n, q in parts) + kept,
         )
 
     def stage_costs(self, layers: Sequence[int], options: Sequence[int]) -> StageCosts:
@@ -219,11 +242,16 @@ class ModelCosts:
         if option == 0:
             return 0.0
         o = self.recompute[option - 1]
+        k = o.recomputed(num_layers)
+        # B runs the head, the layers that keep their activations (the last ones), then the recomputing ones run by
+        # run; a run rebuilds its other layers' activations beside its first's transient, and swaps as a whole
+        runs, r = math.ceil(k / o.run), min(o.run, k)
+        rebuilt = (r - 1) * self.layer.mem_f
         if fused:
-            head = -self.head.mem_f if last else 0.0
-            return recompute_transient(o.transient_bw, num_layers=num_layers, swap=-o.mem_f, head=head)
-        head = self.head.mem_b if last else 0.0
-        return recompute_transient(o.transient, num_layers=num_layers, swap=o.mem_b, head=head)
+            head = (-self.head.mem_f if last else 0.0) - (num_layers - k) * self.layer.mem_f
+            return recompute_transient(o.transient_bw + rebuilt, num_layers=runs, swap=-o.mem_f * r, head=head)
+        head = (self.head.mem_b if last else 0.0) + (num_layers - k) * self.layer.mem_b
+        return recompute_transient(o.transient + rebuilt, num_layers=runs, swap=o.mem_b * r, head=head)
 
 
 @dataclass(frozen=True)
@@ -309,7 +337,7 @@ def _search(
     evaluations, and whether the search finished (exact).  The options per stage: no recompute (0), then each of
     ``model.recompute`` (1, 2, ...)."""
     S, L = shape.num_stages, model.num_layers
-    options = range(len(model.recompute) + 1)
+    options = range(1, 2) if model.fixed_recompute else range(len(model.recompute) + 1)
     if L < S * min_layers:
         raise ValueError(
             f"{L} layers cannot give each of {S} virtual stages at least {min_layers} layer(s); use fewer stages"
@@ -442,7 +470,8 @@ def plan_stages(
             model, schedule=schedule, num_ranks=p, num_microbatches=m, chunks=shape.chunks, min_layers=min_layers
         )
         raise PlannerError(
-            f"no layer split{' or recompute choice' if model.recompute else ''} of {model.num_layers} layers fits "
+            f"no layer split{' or recompute choice' if model.recompute and not model.fixed_recompute else ''} of "
+            f"{model.num_layers} layers fits "
             f"the memory limit {mem_limit:g} per rank with {schedule} (p={p}, m={m}); the smallest limit that works "
             f"is {smallest:g}",
             smallest=smallest,
@@ -472,7 +501,8 @@ def evaluate_split(
     if len(layers) != shape.num_stages or sum(layers) != model.num_layers:
         raise ValueError(f"split {list(layers)} is not {model.num_layers} layers over {shape.num_stages} stages")
     names = model.option_names()
-    opts = [0] * len(layers) if recompute is None else [names.index(r) for r in recompute]
+    default = 1 if model.fixed_recompute else 0  # a fixed recompute is in force on every stage
+    opts = [default] * len(layers) if recompute is None else [names.index(r) for r in recompute]
     costs = model.stage_costs(layers, opts)
     plan = _plan_for(shape, costs, mem_limit)
     if plan is None:
