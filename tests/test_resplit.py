@@ -3,6 +3,8 @@ as a run that started with the new split, and a checkpoint written after it reco
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zb_pipeline.testing.harness import run_multiprocess
@@ -360,21 +362,52 @@ def test_fused_bw_window_replans_and_resplits_from_the_measured_bw() -> None:
     with pytest.raises(ValueError, match="fused BW.*zb-h1"):  # a split plan needs the split times
         regenerate(profile, 4, name="zb-h1")
 
-    def parts_for(head_bw: float) -> dict:
+    def parts_for(head_bw: float, stage_bw: tuple[float, float] = (14.0, 16.0)) -> dict:
         summaries = [
             {"embedding": {"f": [0.3], "bw": [0.6]}, "layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
             {"layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}, "head": {"f": [2.0], "bw": [head_bw]}},
         ]
-        return combine_parts(summaries, profile, _analytic(num_layers=4))
+        measured = dataclasses.replace(profile, bw=stage_bw)
+        return combine_parts(summaries, measured, _analytic(num_layers=4))
 
     parts = parts_for(3.0)
-    # analytic B : W of a layer 2 : 1, of the embedding 0 : 0.5, of the head 2 : 2
+    # analytic B : W of a layer 2 : 1, of the embedding 0 : 0.5, of the head 2 : 2; the stages' BW beyond their
+    # timed parts (14 - 0.6 - 2 x 3, 16 - 2 x 3 - 3) goes to the embedding and the head in the same ratio
     assert (parts["layer"]["b"], parts["layer"]["w"]) == pytest.approx((2.0, 1.0))
-    assert (parts["embedding"]["b"], parts["embedding"]["w"]) == pytest.approx((0.0, 0.6))
-    assert (parts["head"]["b"], parts["head"]["w"]) == pytest.approx((1.5, 1.5))
+    assert (parts["embedding"]["b"], parts["embedding"]["w"]) == pytest.approx((0.0, 0.6 + 7.4))
+    assert (parts["head"]["b"], parts["head"]["w"]) == pytest.approx((1.5 + 3.5, 1.5 + 3.5))
     shape = dict(schedule="1f1b", num_ranks=2, num_microbatches=4)
     assert plan_stages(ModelCosts.from_dict(parts), **shape).layers == (2, 2)
-    assert plan_stages(ModelCosts.from_dict(parts_for(12.0)), **shape).layers == (3, 1)
+    # the window measured a last stage whose BW weighs far more than the first's: a layer moves off it
+    assert plan_stages(ModelCosts.from_dict(parts_for(12.0, (8.0, 24.0))), **shape).layers == (3, 1)
+
+
+def test_fused_bw_calibration_pays_the_overhead_once() -> None:
+    """A fused-BW window (1F1B) is calibrated like a split one: what a stage's BW holds beyond its parts' B + W is
+    the per-action overhead (the stages without embedding and head) and the embedding's and head's rest, so the
+    parts add up to every measured BW, and the runtime's gap between actions is paid once per BW, not on its B and
+    its W both."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts
+
+    gap = 0.1
+    profile = Profile(
+        num_ranks=3, stage_to_rank=(0, 1, 2), f=(5.0, 4.5, 7.0), b=(None,) * 3, w=(None,) * 3, bw=(9.0, 8.0, 13.0),
+        comm=0.0, mem_f=(21.0, 20.0, 50.0), mem_b=(0.0,) * 3, mem_w=(-21.0, -20.0, -50.0), stage_layers=(2, 2, 2),
+        overhead=gap,
+    )  # fmt: skip
+    summaries = [
+        {"embedding": {"f": [0.5], "bw": [0.5]}, "layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
+        {"layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
+        {"layer": {"f": [2.0], "bw": [3.0]}, "head": {"f": [2.0], "bw": [4.0]}},
+    ]
+    parts = combine_parts(summaries, profile, _analytic(num_layers=6))
+    # the middle stage's BW 8 holds 2 x 3 of layers: 2 per BW beyond them, paid once, plus the gap
+    assert parts["overhead"]["b"] + parts["overhead"]["w"] == pytest.approx(2.0 + gap)
+    costs = ModelCosts.from_dict(parts).stage_costs((2, 2, 2), (0, 0, 0))
+    assert [costs.bw(s) for s in range(3)] == pytest.approx([v + gap for v in profile.bw])
+    assert costs.f == pytest.approx(tuple(v + gap for v in profile.f))
 
 
 @pytest.mark.slow

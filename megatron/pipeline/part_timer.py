@@ -18,6 +18,7 @@ times them inside the profiling window through declared hooks only:
   parts' sum.  The stages that hold neither the embedding nor the head give the part every action pays
   (``overhead``, with the runtime's gap between actions); the first and the last stage's remainder beyond it goes
   to the embedding and the head, which travel with those stages.  The parts then add up to every measured stage;
+  a fused-BW profile (1F1B) is calibrated on its BW alike (each part's B + W; the overhead is paid once per BW);
 - the time per iteration outside the actions (the profile's ``boundary``: the optimizer step and the
   iteration-boundary work) as the model's ``step``, which the planner adds to every candidate's iteration.
 
@@ -525,22 +526,62 @@ def _calibrate(
 ) -> dict[str, float]:
     """Make the parts add up to each measured stage (see the module docstring): returns the per-action overhead
     and moves the first and the last stage's remainder into ``parts``' embedding and head (in place).  ``cost(s,
-    part, kind)``: the part's time on stage ``s`` under the recompute choice it ran."""
+    part, kind)``: the part's time on stage ``s`` under the recompute choice it ran.  A fused-BW profile (no
+    separate B and W) is calibrated on its BW, each part's ``b + w``: the remainder of the embedding and the head
+    goes to their B and W in the ratio their BW was shared in, the per-action overhead to B alone (a BW is one
+    action, paying it once)."""
     S = profile.num_stages
-    measured = {"f": profile.f, "b": profile.b, "w": profile.w}
     gap = float(profile.overhead)
-    overhead: dict[str, float] = {}
-    for kind, per_stage in measured.items():
-        if any(v is None for v in per_stage):  # fused BW: no separate B and W to calibrate against
-            overhead[kind] = gap
-            continue
+    fused = any(v is None for v in (*profile.b, *profile.w))
+    overhead = {"f": _calibrate_kind(parts, profile.f, "f", S, held, cost) + gap}
+    if fused and any(v is None for v in profile.bw):  # neither split nor fused times on every stage: not calibrated
+        return {**overhead, "b": gap, "w": gap}
+    if not fused:
+        for kind, per_stage in (("b", profile.b), ("w", profile.w)):
+            overhead[kind] = _calibrate_kind(parts, per_stage, kind, S, held, cost) + gap
+        return overhead
+    shares = {p: (q["b"], q["w"]) for p, q in parts.items()}  # each part's BW as shared before the remainder
 
-        def rest(s: int, kind: str = kind, per_stage: tuple = per_stage) -> float:
-            return float(per_stage[s]) - sum(n * cost(s, p, kind) for p, n in held(s).items())
+    def bw(s: int, part: str, kind: str) -> float:
+        return cost(s, part, "b") + cost(s, part, "w")
 
-        middle = [rest(s) for s in range(S) if not held(s)["embedding"] and not held(s)["head"]]
-        every = max(0.0, statistics.median(middle)) if middle else 0.0
-        parts["embedding"][kind] += rest(0) - every
-        parts["head"][kind] += rest(S - 1) - every if S > 1 else 0.0
-        overhead[kind] = every + gap
+    def add(part: str, rest: float) -> None:
+        b, w = shares[part]
+        b_share = b / (b + w) if b + w > 0 else 1.0
+        parts[part]["b"] += rest * b_share
+        parts[part]["w"] += rest * (1.0 - b_share)
+
+    overhead["b"] = _calibrate_kind(parts, profile.bw, "bw", S, held, bw, add=add) + gap
+    overhead["w"] = 0.0
     return overhead
+
+
+def _calibrate_kind(
+    parts: dict[str, dict[str, float]],
+    per_stage: Sequence[float | None],
+    kind: str,
+    S: int,
+    held: Callable[[int], dict[str, int]],
+    cost: Callable[[int, str, str], float],
+    *,
+    add: Callable[[str, float], None] | None = None,
+) -> float:
+    """One kind's calibration (``_calibrate``): each stage's measured ``per_stage`` time less its parts'; the
+    median over the stages without embedding and head (at least 0) is what every action pays beyond its parts
+    (returned), the first and the last stage's rest beyond it goes to the embedding and the head (``add(part,
+    time)``; default: onto ``parts[part][kind]``)."""
+
+    def rest(s: int) -> float:
+        return float(per_stage[s]) - sum(n * cost(s, p, kind) for p, n in held(s).items())
+
+    def onto(part: str, time: float) -> None:
+        parts[part][kind] += time
+
+    add = onto if add is None else add
+    middle = [rest(s) for s in range(S) if not held(s)["embedding"] and not held(s)["head"]]
+    every = max(0.0, statistics.median(middle)) if middle else 0.0
+    rest0, rest_last = rest(0), rest(S - 1)  # both before either moves
+    add("embedding", rest0 - every)
+    if S > 1:
+        add("head", rest_last - every)
+    return every
