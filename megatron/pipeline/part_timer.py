@@ -560,7 +560,7 @@ def _calibrate_kind(
     parts: dict[str, dict[str, float]],
     per_stage: Sequence[float | None],
     kind: str,
-    S: int,
+    num_stages: int,
     held: Callable[[int], dict[str, int]],
     cost: Callable[[int, str, str], float],
     *,
@@ -578,10 +578,10 @@ def _calibrate_kind(
         parts[part][kind] += time
 
     add = onto if add is None else add
-    middle = [rest(s) for s in range(S) if not held(s)["embedding"] and not held(s)["head"]]
+    middle = [rest(s) for s in range(num_stages) if not held(s)["embedding"] and not held(s)["head"]]
     every = max(0.0, statistics.median(middle)) if middle else 0.0
-    rest0, rest_last = rest(0), rest(S - 1)  # both before either moves
+    rest0, rest_last = rest(0), rest(num_stages - 1)  # both before either moves
     add("embedding", rest0 - every)
-    if S > 1:
+    if num_stages > 1:
         add("head", rest_last - every)
     return every
