@@ -139,3 +139,21 @@ def test_bad_inputs() -> None:
         RecomputeOption("none", b_extra=1.0, mem_f=1.0)
     with pytest.raises(ValueError, match="unknown schedule"):
         plan_stages(model(4), schedule="nope", num_ranks=2, num_microbatches=4)
+
+
+def test_uniform_runs_with_a_shorter_last_run() -> None:
+    """Full recompute in uniform runs of 2 on a stage of 3 layers: runs of 2 and 1.  F keeps one input per run; B
+    recomputes the short last run first, then the run of two, which rebuilds its second layer beside its first's
+    transient on top of what the short run left waiting for W (one layer's, less the input F kept of it); a BW frees
+    the short run's input instead.  The run of two is not counted twice."""
+    run2 = RecomputeOption("uniform-2", b_extra=1.0, mem_f=1.0, mem_b=2.0, transient=5.0, transient_bw=4.0, run=2)
+    mc = ModelCosts(num_layers=4, layer=LAYER, embedding=EMBEDDING, head=HEAD, recompute=(run2,), fixed_recompute=True)
+    costs = mc.stage_costs((3, 1), (1, 1))
+    assert costs.mem_f[0] == 2 * 1.0 + EMBEDDING.mem_f  # two runs, one input each
+    # B: the short run (5.0), then the run of two: (1 + 2) - 1 waiting after the first + 5.0 + one layer rebuilt (4.0)
+    assert costs.mem_b_transient[0] == pytest.approx(2.0 + 5.0 + 4.0)
+    # BW: the short run (4.0), then the run of two: -1 (its input freed) + 4.0 + 4.0
+    assert costs.mem_bw_transient[0] == pytest.approx(-1.0 + 4.0 + 4.0)
+    # the last stage's one layer is a run of one: the head's B adds its mem_b first, a BW frees what the head kept
+    assert costs.mem_b_transient[1] == pytest.approx(HEAD.mem_b + 5.0)
+    assert costs.mem_bw_transient[1] == pytest.approx(max(0.0, -HEAD.mem_f + 4.0))

@@ -88,7 +88,8 @@ class RecomputeOption:
     backward has freed by then); ``transient_bw`` the same inside a fused BW, whose W work runs as it goes
     (``ModelCosts.stage_transient`` makes a stage's of them).  Whole-layer recompute in runs (Megatron's
     ``--recompute-method``): ``run`` layers recompute as one unit (uniform; F keeps one ``mem_f`` per run and B
-    rebuilds the run's other layers beside the first's transient); ``block`` > 0 recomputes only a stage's first
+    rebuilds the run's other layers beside the first's transient; a stage's last run is shorter where ``run`` does
+    not divide its layers, ``run_lengths``); ``block`` > 0 recomputes only a stage's first
     ``block`` layers (the rest keep their activations)."""
 
     name: str
@@ -126,12 +127,26 @@ def recompute_rest(*, num_layers: int, swap: float, head: float = 0.0) -> float:
     return max(0.0, (num_layers - 1) * swap) + head
 
 
-def recompute_transient(transient: float, *, num_layers: int, swap: float, head: float = 0.0) -> float:
-    """``StageCosts.mem_b_transient`` (``mem_bw_transient``) of a stage whose ``num_layers`` layers recompute, each
-    holding ``transient`` above what F kept of it while it does: that plus ``recompute_rest``; 0 without layers."""
-    if num_layers < 1:
-        return 0.0
-    return max(0.0, transient + recompute_rest(num_layers=num_layers, swap=swap, head=head))
+def run_lengths(num_layers: int, run: int) -> tuple[int, ...]:
+    """The layers of each run (first to last) when ``num_layers`` layers recompute in runs of ``run`` (Megatron's
+    uniform method): the last run is shorter when ``run`` does not divide them."""
+    return tuple(min(run, num_layers - i) for i in range(0, num_layers, run))
+
+
+def runs_transient(
+    runs: Sequence[int], *, transient: float, rebuilt: float, swap_run: float, swap_layer: float, head: float = 0.0
+) -> float:
+    """``StageCosts.mem_b_transient`` (``mem_bw_transient``) of a stage whose recomputed layers form ``runs`` (each
+    run's layer count, first to last): B runs the head and the layers that keep their activations (``head``: what
+    they add), then the runs last to first; while a run of ``n`` layers recomputes it holds ``transient`` (its first
+    layer's, above what F kept of it) plus its other layers rebuilt (``rebuilt`` each), and when it is done it has
+    added ``swap_run + n * swap_layer`` (in a B: what waits for its W less the one input F kept; in a BW: less that
+    input).  The highest of these points; 0 without runs."""
+    done, top = head, -math.inf
+    for n in reversed(runs):
+        top = max(top, done + transient + (n - 1) * rebuilt)
+        done += swap_run + n * swap_layer
+    return max(0.0, top) if runs else 0.0
 
 
 @dataclass(frozen=True)
@@ -204,7 +219,7 @@ class ModelCosts:
             o = self.recompute[option - 1]
             k = o.recomputed(num_layers)
             layers = [(num_layers - k, self.layer), (k, o.apply(self.layer))]
-            kept = (k - math.ceil(k / o.run)) * o.mem_f  # uniform runs: one input per run, not per layer
+            kept = (k - len(run_lengths(k, o.run))) * o.mem_f  # uniform runs: one input per run, not per layer
         parts = [*layers, (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
         return PartCosts(
             f=sum(n * q.f for n, q in parts),
@@ -237,21 +252,24 @@ class ModelCosts:
 
     def stage_transient(self, num_layers: int, option: int, *, last: bool, fused: bool = False) -> float:
         """What a B (``fused``: a BW) of a virtual stage with ``num_layers`` layers under option ``option`` (0 =
-        none: nothing) holds above the sum before it while it recomputes (``recompute_transient``): in a B each
-        layer swaps what F kept for what waits for its W, and the head adds its ``mem_b``; in a BW they free all."""
+        none: nothing) holds above the sum before it while it recomputes (``runs_transient``): in a B each run
+        swaps the input F kept for what waits for its layers' W, and the head adds its ``mem_b``; in a BW they free
+        all."""
         if option == 0:
             return 0.0
         o = self.recompute[option - 1]
         k = o.recomputed(num_layers)
-        # B runs the head, the layers that keep their activations (the last ones), then the recomputing ones run by
-        # run; a run rebuilds its other layers' activations beside its first's transient, and swaps as a whole
-        runs, r = math.ceil(k / o.run), min(o.run, k)
-        rebuilt = (r - 1) * self.layer.mem_f
-        if fused:
+        runs = run_lengths(k, o.run)  # uniform: the last run is shorter when the run does not divide the layers
+        if fused:  # a BW frees what it holds as it goes: a run frees the one input F kept of it
             head = (-self.head.mem_f if last else 0.0) - (num_layers - k) * self.layer.mem_f
-            return recompute_transient(o.transient_bw + rebuilt, num_layers=runs, swap=-o.mem_f * r, head=head)
+            return runs_transient(
+                runs, transient=o.transient_bw, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=0.0, head=head
+            )
         head = (self.head.mem_b if last else 0.0) + (num_layers - k) * self.layer.mem_b
-        return recompute_transient(o.transient + rebuilt, num_layers=runs, swap=o.mem_b * r, head=head)
+        held = o.mem_f + o.mem_b  # what a layer's deferred W waits on after B
+        return runs_transient(
+            runs, transient=o.transient, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=held, head=head
+        )
 
 
 @dataclass(frozen=True)
