@@ -226,10 +226,12 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
     assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
     # the logged prediction: whole iterations in ms under the window's means, the time between iterations (window
-    # 1-2: one sample) included
-    assert profile.boundary > 0 and parts.step == profile.boundary
+    # 1-2: one sample) included: on the window's split the measured one, the fixed part plus the largest rank's
+    # share of the optimizer work, which each rank measured (iteration 1's step) and shared by parameters
+    assert profile.boundary > 0 and parts.step_time((2, 2), (0, 1)) == pytest.approx(profile.boundary)
+    assert min(parts.step_share.layer, parts.step_share.embedding, parts.step_share.head) > 0
     means = ModelCosts.from_dict(profile.parts["predict"])
-    assert means.step > 0 and means.layer.f > 0
+    assert means.step_time((2, 2), (0, 1)) > 0 and means.layer.f > 0
     (found,) = PREDICTION.findall(log)
     shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
     predicted = evaluate_split(means, offline.layers, **shape)[0]
@@ -300,6 +302,42 @@ def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     costs = ModelCosts.from_dict(parts).stage_costs((2, 2), (0, 0))
     assert costs.f == pytest.approx(profile.f) and costs.b == pytest.approx(profile.b)
     assert costs.w == pytest.approx(profile.w)
+
+
+def test_parts_share_each_ranks_optimizer_work_by_parameters() -> None:
+    """Each rank's measured optimizer work (its own, per window iteration) is shared among the parts it holds by
+    their parameter counts, a part's share the median over the ranks holding it; the fixed part is the measured
+    time between iterations less the largest rank's share on the window's split, so that split gives it back and
+    another split moves it with the rank that holds the most (given costs)."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts
+
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(9.0, 9.0), w=(5.0, 8.0), bw=(None, None), comm=0.25,
+        mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2), boundary=7.5,
+    )  # fmt: skip
+    times = {"f": [1.0], "b": [1.0]}
+    summaries = [
+        {"embedding": times, "layer": times, "step": {"ms": [3.0, 3.2, 2.9], "embedding": 100, "layer": 50,
+                                                      "head": 0, "layers": 2}},
+        {"layer": times, "head": times, "step": {"ms": [4.0], "embedding": 0, "layer": 50, "head": 150,
+                                                 "layers": 2}},
+    ]  # fmt: skip
+    parts = combine_parts(summaries, profile, _analytic(num_layers=4))
+    # rank 0: 3.0 ms over 200 parameters (embedding 100, two layers of 50); rank 1: 4.0 over 250 (two layers, head 150)
+    share = parts["step_share"]
+    assert share["embedding"] == pytest.approx(1.5) and share["head"] == pytest.approx(2.4)
+    assert share["layer"] == pytest.approx((0.75 + 0.8) / 2)
+    window = max(1.5 + 2 * share["layer"], 2 * share["layer"] + 2.4)  # the head's rank, 3.95
+    assert parts["step"] == pytest.approx(7.5 - window)
+    costs = ModelCosts.from_dict(parts)
+    assert costs.step_time((2, 2), (0, 1)) == pytest.approx(7.5)  # the measured split gives the measured step
+    assert costs.step_time((3, 1), (0, 1)) == pytest.approx(7.5 - window + 1.5 + 3 * share["layer"])
+    assert _through_json(parts, profile)
+    without = [{k: v for k, v in one.items() if k != "step"} for one in summaries]  # not measured (a GPU)
+    flat = combine_parts(without, profile, _analytic(num_layers=4))
+    assert flat["step"] == 7.5 and "step_share" not in flat
 
 
 def test_parts_calibration_finds_the_per_action_overhead() -> None:

@@ -150,6 +150,33 @@ def runs_transient(
 
 
 @dataclass(frozen=True)
+class StepShare:
+    """Each part's share of its rank's work between iterations (the optimizer step over the parameters it holds):
+    per embedding, per transformer layer, per head.  Every rank starts that work at the pipeline's end (the
+    tied-embedding gradient sum synchronises them), so the iteration waits for the rank with the most
+    (``largest_rank``)."""
+
+    embedding: float = 0.0
+    layer: float = 0.0
+    head: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("embedding", "layer", "head"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"step share {name}={v} must be finite and >= 0")
+
+    def largest_rank(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
+        """The largest rank's share under the split ``layers`` (per virtual stage) placed by ``stage_to_rank``."""
+        S = len(layers)
+        per_rank: dict[int, float] = {}
+        for s, n in enumerate(layers):
+            own = n * self.layer + (self.embedding if s == 0 else 0.0) + (self.head if s == S - 1 else 0.0)
+            per_rank[stage_to_rank[s]] = per_rank.get(stage_to_rank[s], 0.0) + own
+        return max(per_rank.values(), default=0.0)
+
+
+@dataclass(frozen=True)
 class ModelCosts:
     """The planner's view of a model: ``num_layers`` identical transformer layers, the embedding, the head+loss."""
 
@@ -161,7 +188,10 @@ class ModelCosts:
     recompute: tuple[RecomputeOption, ...] = ()  # options each stage may take besides no recompute
     # Time every virtual stage's F, B and W takes beyond its parts (the runtime's work per action); memory unused.
     overhead: PartCosts = PartCosts(f=0.0, b=0.0, w=0.0)
-    step: float = 0.0  # time per iteration outside the pipeline's actions (optimizer step, iteration boundary)
+    # time per iteration outside the pipeline's actions (optimizer step, iteration boundary): ``step`` on every
+    # split plus the largest rank's ``step_share`` (``step_time``)
+    step: float = 0.0
+    step_share: StepShare = StepShare()
     # Every stage takes ``recompute[0]`` (an explicit recompute, e.g. Megatron's --recompute-granularity full): the
     # planner chooses the split only, "none" is no candidate.
     fixed_recompute: bool = False
@@ -183,7 +213,7 @@ class ModelCosts:
     def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
         """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
         "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...], "overhead": {f, b, w},
-        "step": T}`` (the last two optional)."""
+        "step": T, "step_share": {embedding, layer, head}}`` (the last three optional)."""
         if not isinstance(d, dict):
             raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
         try:
@@ -196,6 +226,7 @@ class ModelCosts:
                 recompute=rec,
                 overhead=over,
                 step=float(d.get("step", 0.0)),
+                step_share=StepShare(**d.get("step_share", {})),
                 fixed_recompute=bool(d.get("fixed_recompute", False)),
                 **parts,
             )
@@ -206,6 +237,11 @@ class ModelCosts:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def step_time(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
+        """The time between iterations of the split ``layers`` placed by ``stage_to_rank``: the fixed ``step`` plus
+        the largest rank's optimizer share (``StepShare.largest_rank``)."""
+        return self.step + self.step_share.largest_rank(layers, stage_to_rank)
 
     def option_names(self) -> tuple[str, ...]:
         return (NO_RECOMPUTE,) + tuple(o.name for o in self.recompute)
@@ -279,7 +315,7 @@ class StagePlan:
     schedule_name: str
     layers: tuple[int, ...]  # per virtual stage
     recompute: tuple[str, ...]  # per virtual stage: an option name or "none"
-    iteration: float  # simulated end of the iteration (SimResult.end_time) plus the model's ``step``
+    iteration: float  # simulated end of the iteration (SimResult.end_time) plus the model's ``step_time``
     peak_memory: tuple[float, ...]  # per rank
     schedule: Schedule
     costs: StageCosts
@@ -464,7 +500,7 @@ def plan_stages(
         peak = _peak(plan, costs)
         if max(peak) > limit:
             return None
-        end = simulate(plan, costs).end_time
+        end = simulate(plan, costs).end_time + model.step_time(layers, place)  # the bounds on end_time bound it
         return end, (layers, opts, end, peak, plan, costs)
 
     best, n, exact = _search(
@@ -496,8 +532,7 @@ def plan_stages(
         )
     layers, opts, end, peak, plan, costs = best
     names = model.option_names()
-    iteration = end + model.step
-    return StagePlan(schedule, layers, tuple(names[o] for o in opts), iteration, peak, plan, costs, n, exact)
+    return StagePlan(schedule, layers, tuple(names[o] for o in opts), end, peak, plan, costs, n, exact)
 
 
 def evaluate_split(
@@ -511,7 +546,7 @@ def evaluate_split(
     recompute: Sequence[str] | None = None,
     mem_limit: float | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    """(simulated iteration plus the model's ``step``, per-rank peak) of one given split (and recompute choice,
+    """(simulated iteration plus the model's ``step_time``, per-rank peak) of one given split (and recompute choice,
     default none): what the planner's answer is compared with, e.g. the even split.  ``mem_limit``: a
     memory-capped cost-dependent schedule (zb-auto) plans within it, as the planner does (``ValueError`` if it
     cannot); other plans are simulated as they are."""
@@ -526,7 +561,7 @@ def evaluate_split(
     if plan is None:
         within = "" if mem_limit is None or not shape.takes_limit else f" within the memory limit {mem_limit:g}"
         raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}{within}")
-    return simulate(plan, costs).end_time + model.step, _peak(plan, costs)
+    return simulate(plan, costs).end_time + model.step_time(layers, shape.stage_to_rank), _peak(plan, costs)
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
