@@ -120,7 +120,7 @@ def _pretrain(
     _startup_summary(tr, logger, flops_per_iter)
     if ckpt.load:
         load_checkpoint(tr, log=logger.print)
-    tr.replanner = attach_replanner(tr.pipeline, run, tr.ctx, logger.print)
+    tr.replanner = attach_replanner(tr.pipeline, run, tr.ctx, logger.print, step_ms=lambda: tr.optimizer.last_step_ms)
     signals = ExitSignalHandler() if ckpt.exit_signal_handler else nullcontext()
     collector = ManualGC(t.manual_gc_interval, t.manual_gc_eval) if t.manual_gc else None
     if collector is not None:

@@ -271,6 +271,49 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
         switch_plan(ex, generate("zb-h1", 1, 4))
 
 
+def test_replan_without_a_memory_limit_fails_in_one_line_and_the_trainer_exits_2(monkeypatch, capsys) -> None:
+    """A re-plan that the window's measured costs cannot serve, with no memory limit to blame: the replanner raises
+    ``ReplanError`` (not the limit's ``MeasuredLimitError``), one line naming the schedule, the window and the
+    generator's reason; the trainer turns it into a ``ConfigError`` without a traceback, and ``pretrain_gpt.main``
+    prints that line and exits 2 (here a window of fused BW asked for a split-backward plan)."""
+    import pretrain_gpt
+    from megatron import training
+    from megatron.arguments import parse_run_config
+    from megatron.config.errors import ConfigError
+    from zb_pipeline.runtime.replanner import MeasuredLimitError, ReplanError
+
+    torch.set_num_threads(1)
+    ex = PipelineExecutor(
+        lower(generate("1f1b", 1, 3)), 0, {0: MLPStage(0)}, p2p=None, input_fn=mlp_input, loss_fn=_loss_fn
+    )
+    replanner = WindowReplanner(ex, start_iter=0, end_iter=2, name="zb-h1", log=lambda line: None)
+    ex.run(0)
+    assert replanner.after_iteration(0) is None
+    ex.run(1)
+    with pytest.raises(ReplanError) as got:
+        replanner.after_iteration(1)
+    err = got.value
+    assert not isinstance(err, MeasuredLimitError) and "\n" not in str(err)
+    assert str(err).startswith("the re-plan of zb-h1 at the end of the profiling window (iterations 0-1) failed: ")
+    assert "fused BW" in str(err) and "zb-h1" in str(err).split("failed: ")[1]
+
+    def replan_fails(*args, **kwargs):
+        raise err
+
+    monkeypatch.setattr(training, "_pretrain", replan_fails)  # the trainer's loop, which would run the replanner
+    argv = [
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--vocab-size", "100", "--mock-data", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError) as translated:
+        training.pretrain(parse_run_config(argv, world_size=1))
+    assert str(translated.value) == str(err) and translated.value.__suppress_context__
+    capsys.readouterr()
+    assert pretrain_gpt.main(argv) == 2
+    assert capsys.readouterr().err == f"pretrain_gpt.py: error: {err}\n"
+
+
 # ------------------------------------------------------------------------------------ the benchmark entry points
 def test_bench_pipeline_cli_offers_what_make_bench_passes(capsys) -> None:
     import importlib.util

@@ -8,8 +8,8 @@ Two ranks run one profiled iteration of each schedule with and without recompute
 - zb-auto with full recompute, limited to 1F1B-with-full-recompute's measured peak, simulates no slower than 1F1B
   with full recompute, and its plan's predicted peak stays within that limit;
 - the stage planner's per-part model with the transient of a recomputing B (BW) predicts, analytic at start-up, each
-  stage's transient within 5% and each rank's peak within 1%, and derived from one window each rank's peak within
-  1%, the first stage's included.
+  stage's transient and each rank's peak within 5% (uniform runs whose last run is shorter included), and derived
+  from one window each rank's peak within 5%, the first stage's included.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ RECOMPUTE = {
     "full": {"granularity": "full", "method": "uniform", "num_layers": 1},
     "block": {"granularity": "full", "method": "block", "num_layers": 1},
     "uniform2": {"granularity": "full", "method": "uniform", "num_layers": 2},  # one run of each stage's 2 layers
+    # on the split [3, 1]: the first stage's runs are of 2 layers and of 1, the last run shorter
+    "uniform2-short": {"granularity": "full", "method": "uniform", "num_layers": 2},
 }
+SPLITS = {"uniform2-short": (3, 1)}  # layers per stage where a case is not the even split
 TOL = 0.05
 # The per-part model against the measured, every stage (the first too, since the embedding's output is laid out as
 # [s, b, h]: its layers hold what the others hold): the issue's 5%, fixed before measuring (measured: 0.1% at most).
@@ -43,7 +46,7 @@ def _cfg():
     )  # fmt: skip
 
 
-def _profile_one(rank: int, name: str, recompute: dict) -> dict:
+def _profile_one(rank: int, name: str, rc: str) -> dict:
     from megatron.config.recompute import RecomputeConfig
     from megatron.model.gpt import build_gpt_stages
     from megatron.model.recompute import apply_recompute
@@ -58,9 +61,9 @@ def _profile_one(rank: int, name: str, recompute: dict) -> dict:
     sched = generate(name, P, M)
     S = sched.num_stages
     mine = sched.stages_of(rank)
-    mods = build_gpt_stages(cfg, S, stages=mine, seed=5)
+    mods = build_gpt_stages(cfg, S, stages=mine, seed=5, ranges=_ranges(_layers(rc, S)))
     for mod in mods:
-        apply_recompute(mod, RecomputeConfig(**recompute))
+        apply_recompute(mod, RecomputeConfig(**RECOMPUTE[rc]))
     stages = dict(zip(mine, mods))
 
     def tokens(mb: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,13 +91,23 @@ def _profile_one(rank: int, name: str, recompute: dict) -> dict:
 FAST_CASES = (
     [(n, rc) for n in SCHEDULES for rc in ("none", "full")]
     + [(n, rc) for n in ("zb-h1", "1f1b") for rc in ("selective", "block")]
-    + [("zb-h1", "uniform2")]
+    + [("zb-h1", "uniform2"), ("zb-h1", "uniform2-short")]
 )
+
+
+def _layers(rc: str, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage of case ``rc``: ``SPLITS``' or the even split."""
+    return SPLITS.get(rc, (_cfg().num_layers // num_stages,) * num_stages)
+
+
+def _ranges(layers: tuple[int, ...]) -> list[range]:
+    starts = [sum(layers[:s]) for s in range(len(layers))]
+    return [range(a, a + n) for a, n in zip(starts, layers)]
 
 
 def _memory_rank(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
     torch.set_num_threads(1)
-    return {(name, rc): _profile_one(rank, name, RECOMPUTE[rc]) for name, rc in cases}
+    return {(name, rc): _profile_one(rank, name, rc) for name, rc in cases}
 
 
 def _run(cases: list[tuple[str, str]]) -> dict:
@@ -121,7 +134,9 @@ def test_predicted_peak_equals_measured_for_every_schedule_with_and_without_reco
 
 @pytest.mark.slow
 def test_predicted_peak_equals_measured_every_granularity_slow() -> None:
-    rest = [(n, rc) for n in SCHEDULES for rc in RECOMPUTE if (n, rc) not in FAST_CASES]
+    # zb-v's four stages hold one layer each: no split [3, 1] there
+    skip = {*FAST_CASES, ("zb-v", "uniform2-short")}
+    rest = [(n, rc) for n in SCHEDULES for rc in RECOMPUTE if (n, rc) not in skip]
     _check_predicted(_run(rest))
 
 
@@ -243,7 +258,7 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
     auto = _analytic_model()
     for (name, rc), (prof, plan) in profiles.items():
         S = prof.num_stages
-        layers = (_cfg().num_layers // S,) * S
+        layers = _layers(rc, S)
         models = [(auto, auto.option_names().index(rc))] if rc in auto.option_names() else []
         if rc != "none":  # the explicit flags' own model, as --pipeline-layer-split auto plans with them
             models.append((_explicit_model(rc), 1))

@@ -3,6 +3,8 @@ as a run that started with the new split, and a checkpoint written after it reco
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from zb_pipeline.testing.harness import run_multiprocess
@@ -224,10 +226,12 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     offline = plan_stages(parts, schedule="zb-h1", num_ranks=2, num_microbatches=4)
     assert f"layer split from measured per-part costs: {list(offline.layers)}" in log
     # the logged prediction: whole iterations in ms under the window's means, the time between iterations (window
-    # 1-2: one sample) included
-    assert profile.boundary > 0 and parts.step == profile.boundary
+    # 1-2: one sample) included: on the window's split the measured one, the fixed part plus the largest rank's
+    # share of the optimizer work, which each rank measured (iteration 1's step) and shared by parameters
+    assert profile.boundary > 0 and parts.step_time((2, 2), (0, 1)) == pytest.approx(profile.boundary)
+    assert min(parts.step_share.layer, parts.step_share.embedding, parts.step_share.head) > 0
     means = ModelCosts.from_dict(profile.parts["predict"])
-    assert means.step > 0 and means.layer.f > 0
+    assert means.step_time((2, 2), (0, 1)) > 0 and means.layer.f > 0
     (found,) = PREDICTION.findall(log)
     shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
     predicted = evaluate_split(means, offline.layers, **shape)[0]
@@ -300,6 +304,42 @@ def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     assert costs.w == pytest.approx(profile.w)
 
 
+def test_parts_share_each_ranks_optimizer_work_by_parameters() -> None:
+    """Each rank's measured optimizer work (its own, per window iteration) is shared among the parts it holds by
+    their parameter counts, a part's share the median over the ranks holding it; the fixed part is the measured
+    time between iterations less the largest rank's share on the window's split, so that split gives it back and
+    another split moves it with the rank that holds the most (given costs)."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts
+
+    profile = Profile(
+        num_ranks=2, stage_to_rank=(0, 1), f=(9.0, 9.0), b=(9.0, 9.0), w=(5.0, 8.0), bw=(None, None), comm=0.25,
+        mem_f=(42.0, 100.0), mem_b=(0.0, 0.0), mem_w=(-42.0, -100.0), stage_layers=(2, 2), boundary=7.5,
+    )  # fmt: skip
+    times = {"f": [1.0], "b": [1.0]}
+    summaries = [
+        {"embedding": times, "layer": times, "step": {"ms": [3.0, 3.2, 2.9], "embedding": 100, "layer": 50,
+                                                      "head": 0, "layers": 2}},
+        {"layer": times, "head": times, "step": {"ms": [4.0], "embedding": 0, "layer": 50, "head": 150,
+                                                 "layers": 2}},
+    ]  # fmt: skip
+    parts = combine_parts(summaries, profile, _analytic(num_layers=4))
+    # rank 0: 3.0 ms over 200 parameters (embedding 100, two layers of 50); rank 1: 4.0 over 250 (two layers, head 150)
+    share = parts["step_share"]
+    assert share["embedding"] == pytest.approx(1.5) and share["head"] == pytest.approx(2.4)
+    assert share["layer"] == pytest.approx((0.75 + 0.8) / 2)
+    window = max(1.5 + 2 * share["layer"], 2 * share["layer"] + 2.4)  # the head's rank, 3.95
+    assert parts["step"] == pytest.approx(7.5 - window)
+    costs = ModelCosts.from_dict(parts)
+    assert costs.step_time((2, 2), (0, 1)) == pytest.approx(7.5)  # the measured split gives the measured step
+    assert costs.step_time((3, 1), (0, 1)) == pytest.approx(7.5 - window + 1.5 + 3 * share["layer"])
+    assert _through_json(parts, profile)
+    without = [{k: v for k, v in one.items() if k != "step"} for one in summaries]  # not measured (a GPU)
+    flat = combine_parts(without, profile, _analytic(num_layers=4))
+    assert flat["step"] == 7.5 and "step_share" not in flat
+
+
 def test_parts_calibration_finds_the_per_action_overhead() -> None:
     """With a stage that holds neither the embedding nor the head, what its actions hold beyond its layers is the
     overhead every action pays (plus the runtime's gap between actions); the parts still add up to every stage."""
@@ -360,21 +400,52 @@ def test_fused_bw_window_replans_and_resplits_from_the_measured_bw() -> None:
     with pytest.raises(ValueError, match="fused BW.*zb-h1"):  # a split plan needs the split times
         regenerate(profile, 4, name="zb-h1")
 
-    def parts_for(head_bw: float) -> dict:
+    def parts_for(head_bw: float, stage_bw: tuple[float, float] = (14.0, 16.0)) -> dict:
         summaries = [
             {"embedding": {"f": [0.3], "bw": [0.6]}, "layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
             {"layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}, "head": {"f": [2.0], "bw": [head_bw]}},
         ]
-        return combine_parts(summaries, profile, _analytic(num_layers=4))
+        measured = dataclasses.replace(profile, bw=stage_bw)
+        return combine_parts(summaries, measured, _analytic(num_layers=4))
 
     parts = parts_for(3.0)
-    # analytic B : W of a layer 2 : 1, of the embedding 0 : 0.5, of the head 2 : 2
+    # analytic B : W of a layer 2 : 1, of the embedding 0 : 0.5, of the head 2 : 2; the stages' BW beyond their
+    # timed parts (14 - 0.6 - 2 x 3, 16 - 2 x 3 - 3) goes to the embedding and the head in the same ratio
     assert (parts["layer"]["b"], parts["layer"]["w"]) == pytest.approx((2.0, 1.0))
-    assert (parts["embedding"]["b"], parts["embedding"]["w"]) == pytest.approx((0.0, 0.6))
-    assert (parts["head"]["b"], parts["head"]["w"]) == pytest.approx((1.5, 1.5))
+    assert (parts["embedding"]["b"], parts["embedding"]["w"]) == pytest.approx((0.0, 0.6 + 7.4))
+    assert (parts["head"]["b"], parts["head"]["w"]) == pytest.approx((1.5 + 3.5, 1.5 + 3.5))
     shape = dict(schedule="1f1b", num_ranks=2, num_microbatches=4)
     assert plan_stages(ModelCosts.from_dict(parts), **shape).layers == (2, 2)
-    assert plan_stages(ModelCosts.from_dict(parts_for(12.0)), **shape).layers == (3, 1)
+    # the window measured a last stage whose BW weighs far more than the first's: a layer moves off it
+    assert plan_stages(ModelCosts.from_dict(parts_for(12.0, (8.0, 24.0))), **shape).layers == (3, 1)
+
+
+def test_fused_bw_calibration_pays_the_overhead_once() -> None:
+    """A fused-BW window (1F1B) is calibrated like a split one: what a stage's BW holds beyond its parts' B + W is
+    the per-action overhead (the stages without embedding and head) and the embedding's and head's rest, so the
+    parts add up to every measured BW, and the runtime's gap between actions is paid once per BW, not on its B and
+    its W both."""
+    from megatron.pipeline.part_timer import combine_parts
+    from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts
+
+    gap = 0.1
+    profile = Profile(
+        num_ranks=3, stage_to_rank=(0, 1, 2), f=(5.0, 4.5, 7.0), b=(None,) * 3, w=(None,) * 3, bw=(9.0, 8.0, 13.0),
+        comm=0.0, mem_f=(21.0, 20.0, 50.0), mem_b=(0.0,) * 3, mem_w=(-21.0, -20.0, -50.0), stage_layers=(2, 2, 2),
+        overhead=gap,
+    )  # fmt: skip
+    summaries = [
+        {"embedding": {"f": [0.5], "bw": [0.5]}, "layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
+        {"layer": {"f": [2.0, 2.0], "bw": [3.0, 3.0]}},
+        {"layer": {"f": [2.0], "bw": [3.0]}, "head": {"f": [2.0], "bw": [4.0]}},
+    ]
+    parts = combine_parts(summaries, profile, _analytic(num_layers=6))
+    # the middle stage's BW 8 holds 2 x 3 of layers: 2 per BW beyond them, paid once, plus the gap
+    assert parts["overhead"]["b"] + parts["overhead"]["w"] == pytest.approx(2.0 + gap)
+    costs = ModelCosts.from_dict(parts).stage_costs((2, 2, 2), (0, 0, 0))
+    assert [costs.bw(s) for s in range(3)] == pytest.approx([v + gap for v in profile.bw])
+    assert costs.f == pytest.approx(tuple(v + gap for v in profile.f))
 
 
 @pytest.mark.slow

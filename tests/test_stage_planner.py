@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -139,3 +140,49 @@ def test_bad_inputs() -> None:
         RecomputeOption("none", b_extra=1.0, mem_f=1.0)
     with pytest.raises(ValueError, match="unknown schedule"):
         plan_stages(model(4), schedule="nope", num_ranks=2, num_microbatches=4)
+
+
+def test_uniform_runs_with_a_shorter_last_run() -> None:
+    """Full recompute in uniform runs of 2 on a stage of 3 layers: runs of 2 and 1.  F keeps one input per run; B
+    recomputes the short last run first, then the run of two, which rebuilds its second layer beside its first's
+    transient on top of what the short run left waiting for W (one layer's, less the input F kept of it); a BW frees
+    the short run's input instead.  The run of two is not counted twice."""
+    run2 = RecomputeOption("uniform-2", b_extra=1.0, mem_f=1.0, mem_b=2.0, transient=5.0, transient_bw=4.0, run=2)
+    mc = ModelCosts(num_layers=4, layer=LAYER, embedding=EMBEDDING, head=HEAD, recompute=(run2,), fixed_recompute=True)
+    costs = mc.stage_costs((3, 1), (1, 1))
+    assert costs.mem_f[0] == 2 * 1.0 + EMBEDDING.mem_f  # two runs, one input each
+    # B: the short run (5.0), then the run of two: (1 + 2) - 1 waiting after the first + 5.0 + one layer rebuilt (4.0)
+    assert costs.mem_b_transient[0] == pytest.approx(2.0 + 5.0 + 4.0)
+    # BW: the short run (4.0), then the run of two: -1 (its input freed) + 4.0 + 4.0
+    assert costs.mem_bw_transient[0] == pytest.approx(-1.0 + 4.0 + 4.0)
+    # the last stage's one layer is a run of one: the head's B adds its mem_b first, a BW frees what the head kept
+    assert costs.mem_b_transient[1] == pytest.approx(HEAD.mem_b + 5.0)
+    assert costs.mem_bw_transient[1] == pytest.approx(max(0.0, -HEAD.mem_f + 4.0))
+
+
+def test_step_follows_the_rank_with_the_most_optimizer_work() -> None:
+    """Every rank starts its optimizer step at the pipeline's end, each over the parameters it holds: a candidate's
+    time between iterations is the fixed part plus the largest rank's share (here per layer 1, the embedding 0.5, the
+    head 3), and the planner minimises the simulated iteration with it (brute force over every split)."""
+    from zb_pipeline.schedule.stage_planner import StepShare, evaluate_split
+
+    share = StepShare(embedding=0.5, layer=1.0, head=3.0)
+    mc = ModelCosts(num_layers=4, layer=LAYER, embedding=EMBEDDING, head=HEAD, step=2.0, step_share=share)
+    assert mc.step_time((3, 1), (0, 1)) == 2.0 + max(0.5 + 3.0, 1.0 + 3.0)
+    assert mc.step_time((2, 2), (0, 1)) == 2.0 + max(0.5 + 2.0, 2.0 + 3.0)
+    assert mc.step_time((1, 1, 1, 1), (0, 1, 1, 0)) == 2.0 + max(0.5 + 1 + 1 + 3.0, 2.0)  # V: both ends on rank 0
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    plan = registry.generate("zb-h1", 2, 4)
+    for layers in compositions(4, 2):
+        end = simulate(plan, mc.stage_costs(layers, (0, 0))).end_time
+        assert evaluate_split(mc, layers, **shape)[0] == pytest.approx(end + mc.step_time(layers, (0, 1)))
+    best = min(compositions(4, 2), key=lambda layers: evaluate_split(mc, layers, **shape)[0])
+    got = plan_stages(mc, **shape)
+    assert got.layers == best and got.iteration == pytest.approx(evaluate_split(mc, best, **shape)[0])
+    # an embedding whose optimizer work outweighs its time moves layers off its rank (without the shares: even)
+    light_head = PartCosts(f=0.1, b=0.1, w=0.1)
+    plain = ModelCosts(num_layers=6, layer=LAYER, embedding=EMBEDDING, head=light_head)
+    heavy = dataclasses.replace(plain, step_share=StepShare(embedding=100.0, layer=20.0))
+    assert plan_stages(plain, **shape).layers == (3, 3) and plan_stages(heavy, **shape).layers[0] < 3
+    with pytest.raises(ValueError, match="step share head"):
+        StepShare(head=-1.0)

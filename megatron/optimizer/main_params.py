@@ -22,10 +22,15 @@ updated parameters. Both keep their state as ``MainShard`` pieces (a flat elemen
 parameter), so a checkpoint written by either loads into either, at any data-parallel size.
 
 With an fp32 model and no sharding the main parameter *is* the model parameter (no copy).
+
+``last_step_ms`` is this rank's own work in its last applied step on the CPU (unscale and local statistics, update
+and publish; not the wait for the other stages' statistics): the stage planner's share of the optimizer per part
+(``megatron.pipeline.part_timer``).  ``None`` on a GPU, where the host does not see the device's time.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +119,9 @@ class MainParamOptimizer:
             config,
             no_weight_decay=lambda name, _main: default_no_weight_decay(name, by_name[name].param),
         )
+        self.timed = self.device.type == "cpu"  # the host clock sees the step's work
+        self._stats_s = 0.0  # seconds of the last unscale_and_local_stats
+        self.last_step_ms: float | None = None  # this rank's own work in its last applied step (module docstring)
 
     # ------------------------------------------------------------------------------------------- layout
     def _build_shards(self, params: list[tuple[str, torch.nn.Parameter]]) -> list[MainShard]:
@@ -145,12 +153,15 @@ class MainParamOptimizer:
     def unscale_and_local_stats(self) -> torch.Tensor:
         """Unscale the main gradients (fp16) and return float64 ``[sum of squares, non-finite count]`` of the ones
         this rank counts, reduced over its pipeline position (no communication across pipeline stages)."""
+        start = time.perf_counter()
         scale = self.scaler.scale
         if scale != 1.0:
             inv = 1.0 / scale
             for s in self.shards:
                 s.grad.mul_(inv)
-        return self._local_stats()
+        local = self._local_stats()
+        self._stats_s, self.last_step_ms = time.perf_counter() - start, None
+        return local
 
     def _local_stats(self) -> torch.Tensor:
         local = sum_squares_and_nonfinite((s.grad for s in self.shards if s.owned), device=self.device)
@@ -171,11 +182,14 @@ class MainParamOptimizer:
     @torch.no_grad()
     def apply_update(self, lr: float, coeff: float) -> None:
         """Scale the gradients by ``coeff`` (if below 1), apply the update rule, publish."""
+        start = time.perf_counter()
         if coeff < 1.0:
             for s in self.shards:
                 s.grad.mul_(coeff)
         self.update_rule.step(lr)
         self.publish()
+        if self.timed:
+            self.last_step_ms = (self._stats_s + time.perf_counter() - start) * 1e3
 
     def update_loss_scale(self, found_nonfinite: bool) -> None:
         self.scaler.update(found_nonfinite)

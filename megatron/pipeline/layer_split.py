@@ -215,7 +215,7 @@ def measured_layer_split(
         predicted=simulated(predict, plan.layers, plan.recompute),
         even=even,
         even_iteration=even_time,
-        step=predict.step,
+        step=predict.step_time(plan.layers, sched.stage_to_rank),
         current_recompute=None if recompute is None else tuple(recompute),
         fixed_recompute=costs.fixed_recompute,
     )
@@ -234,7 +234,7 @@ class MeasuredSplit:
     predicted: float | None = None  # the chosen split's predicted iteration (ms; None: plan.iteration)
     even: tuple[int, ...] | None = None  # the even split (None: the layers do not divide evenly)
     even_iteration: float | None = None  # its predicted iteration (ms)
-    step: float = 0.0  # ms of each predicted iteration outside the pipeline's actions
+    step: float = 0.0  # ms of the chosen split's predicted iteration outside the pipeline's actions
     # --recompute-granularity auto: the recompute choice per virtual stage in force (None: not auto, not decided)
     current_recompute: tuple[str, ...] | None = None
     fixed_recompute: bool = False  # an explicit recompute, in force on every stage before and after

@@ -18,8 +18,14 @@ times them inside the profiling window through declared hooks only:
   parts' sum.  The stages that hold neither the embedding nor the head give the part every action pays
   (``overhead``, with the runtime's gap between actions); the first and the last stage's remainder beyond it goes
   to the embedding and the head, which travel with those stages.  The parts then add up to every measured stage;
+  a fused-BW profile (1F1B) is calibrated on its BW alike (each part's B + W; the overhead is paid once per BW);
 - the time per iteration outside the actions (the profile's ``boundary``: the optimizer step and the
-  iteration-boundary work) as the model's ``step``, which the planner adds to every candidate's iteration.
+  iteration-boundary work): every rank starts it at the pipeline's end (the tied-embedding gradient sum
+  synchronises them), and its optimizer work is proportional to the parameters it holds, so it moves with the
+  split.  Each rank's own optimizer work in the window (``step_ms``: the optimizer's ``last_step_ms``, on the CPU)
+  is shared among the parts it holds by their parameter counts, a part's share the median over the ranks holding
+  it (``step_share``); the model's fixed ``step`` is the measured boundary less the largest rank's share on the
+  window's split, so that split gives back the measured boundary (``ModelCosts.step_time``).
 
 Under ``--recompute-granularity auto`` stages that recompute are left out of the part times they would distort: a
 full-recompute stage's layer F (its layers run without autograd) and the B of every stage that recomputes anything
@@ -63,7 +69,7 @@ from zb_pipeline import comm
 from zb_pipeline.runtime.profiler import clock_mark
 from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.profile import Profile
-from zb_pipeline.schedule.stage_planner import ModelCosts, RecomputeOption, recompute_rest
+from zb_pipeline.schedule.stage_planner import ModelCosts, RecomputeOption, StepShare, recompute_rest
 
 PARTS = ("embedding", "layer", "head")
 
@@ -72,12 +78,25 @@ class PartTimer:
     """Times the parts of this rank's ``GPTStage`` s in iterations ``[start_iter, end_iter)`` of ``runtime``.
     ``layers_without_recompute``: leave out the B of every stage that recomputes anything (the window measures a
     layer without recompute and the options apart, ``--recompute-granularity auto``); else only full recompute's
-    stages are left out and a layer's B is measured with the recompute in force."""
+    stages are left out and a layer's B is measured with the recompute in force.  ``step_ms``: this rank's own
+    optimizer work in the iteration just stepped (ms, None: not measured), read as each window iteration after the
+    first begins."""
 
-    def __init__(self, runtime: Any, *, start_iter: int, end_iter: int, layers_without_recompute: bool = False) -> None:
+    def __init__(
+        self,
+        runtime: Any,
+        *,
+        start_iter: int,
+        end_iter: int,
+        layers_without_recompute: bool = False,
+        step_ms: Callable[[], float | None] | None = None,
+    ) -> None:
         self.runtime, self.start_iter, self.end_iter = runtime, start_iter, end_iter
         self.layers_without_recompute = layers_without_recompute
+        self.step_ms = step_ms
+        self.step_samples: list[float] = []  # this rank's optimizer work per window iteration (ms)
         self.stages: dict[int, Any] = dict(runtime.stages)
+        self.params = parameter_counts(self.stages.values())  # what this rank's optimizer steps, per part
         self.cuda = any(p.is_cuda for m in self.stages.values() for p in m.parameters())
         self.active = False
         self.samples: dict[tuple[str, str], list[float]] = {}  # (part, "f"/"b") -> ms per microbatch (layer: each)
@@ -124,6 +143,10 @@ class PartTimer:
         self.active = False
 
     def _begin_iteration(self, ex: Any) -> None:
+        if self.active and self.step_ms is not None and ex.iteration < self.end_iter:  # the last one's step
+            ms = self.step_ms()
+            if ms is not None:
+                self.step_samples.append(float(ms))
         self.active = self.start_iter <= ex.iteration < self.end_iter
         if self.active and self._timed_b is None:  # the recompute in force in the window, looked up once
             self._timed_b = {s: m for s, m in self.stages.items() if self._times_b(m)}
@@ -268,16 +291,18 @@ class PartTimer:
             self._record("embedding", kind, marks[("in", 0)], end)
 
     # -- results ----------------------------------------------------------------------------------------------
-    def local_summary(self) -> dict[str, dict[str, list[float]]]:
-        """This rank's F and B samples (ms per microbatch; a layer's: each layer's) per part it holds (JSON-able)."""
+    def local_summary(self) -> dict[str, dict[str, Any]]:
+        """This rank's F and B samples (ms per microbatch; a layer's: each layer's) per part it holds, and under
+        ``"step"`` its optimizer work per iteration (``"ms"``) with the parameters it holds per part (JSON-able)."""
         if self._pending:
             torch.cuda.synchronize()
             for part, kind, start, end in self._pending:
                 self.samples.setdefault((part, kind), []).append(float(start.elapsed_time(end)))
             self._pending.clear()
-        out: dict[str, dict[str, list[float]]] = {}
+        out: dict[str, dict[str, Any]] = {}
         for (part, kind), values in self.samples.items():
             out.setdefault(part, {})[kind] = list(values)
+        out["step"] = {"ms": list(self.step_samples), **self.params}
         return out
 
     def gather(
@@ -318,8 +343,47 @@ def recomputes(stage: Any) -> bool:
     return any(getattr(getattr(layer, "self_attention", None), "recompute_core", False) for layer in stage.layers)
 
 
+def parameter_counts(stages: Any) -> dict[str, int]:
+    """The parameters a rank's ``GPTStage`` s hold, per part: ``embedding``, ``layer`` (each), ``head`` (the
+    stage's beyond its embedding and layers: the final norm and the output layer or the tied embedding's copy),
+    and ``layers`` (how many), each parameter counted once."""
+    seen: set[int] = set()
+
+    def count(params: Any) -> int:
+        fresh = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in fresh)
+        return sum(p.numel() for p in fresh)
+
+    stages = list(stages)
+    embedding = sum(count(m.embedding.parameters()) for m in stages if m.embedding is not None)
+    layers = [layer for m in stages for layer in m.layers]
+    in_layers = sum(count(layer.parameters()) for layer in layers)
+    head = sum(count(m.parameters()) for m in stages)  # what is left: the head's
+    return {"embedding": embedding, "layer": in_layers // max(len(layers), 1), "head": head, "layers": len(layers)}
+
+
+def step_shares(summaries: list[dict[str, Any]], summary: Callable[[list[float]], float]) -> StepShare | None:
+    """Each part's share of the optimizer work (module docstring): every rank's measured work (``summary`` of its
+    samples) shared among its parts by their parameter counts, per part the median over the ranks that hold it.
+    None when a rank measured none (a GPU, a window of one iteration)."""
+    per: dict[str, list[float]] = {"embedding": [], "layer": [], "head": []}
+    for one in summaries:
+        step = one.get("step") or {}
+        if not step.get("ms"):
+            return None
+        n = int(step["layers"])
+        total = step["embedding"] + n * step["layer"] + step["head"]
+        if total <= 0:
+            continue
+        per_param = float(summary(step["ms"])) / total
+        for part in per:
+            if step[part] > 0 and (part != "layer" or n):
+                per[part].append(per_param * step[part])
+    return StepShare(**{part: float(statistics.median(v)) if v else 0.0 for part, v in per.items()})
+
+
 def combine_parts(
-    summaries: list[dict[str, dict[str, list[float]]]],
+    summaries: list[dict[str, dict[str, Any]]],
     profile: Profile,
     analytic: ModelCosts,
     *,
@@ -410,6 +474,10 @@ def combine_parts(
         "overhead": overhead,
         "step": float(profile.boundary),
     }
+    shares = step_shares(summaries, summary)
+    if shares is not None:  # the window's split gives back the measured boundary
+        window = shares.largest_rank(layers, profile.stage_to_rank)
+        out.update(step=max(float(profile.boundary) - window, 0.0), step_share=dataclasses.asdict(shares))
     for part, q in parts.items():
         out[part] = {**q, "f": max(q["f"], 1e-6), "b": max(q["b"], 0.0), "w": max(q["w"], 0.0)}
     if options:
@@ -525,22 +593,62 @@ def _calibrate(
 ) -> dict[str, float]:
     """Make the parts add up to each measured stage (see the module docstring): returns the per-action overhead
     and moves the first and the last stage's remainder into ``parts``' embedding and head (in place).  ``cost(s,
-    part, kind)``: the part's time on stage ``s`` under the recompute choice it ran."""
+    part, kind)``: the part's time on stage ``s`` under the recompute choice it ran.  A fused-BW profile (no
+    separate B and W) is calibrated on its BW, each part's ``b + w``: the remainder of the embedding and the head
+    goes to their B and W in the ratio their BW was shared in, the per-action overhead to B alone (a BW is one
+    action, paying it once)."""
     S = profile.num_stages
-    measured = {"f": profile.f, "b": profile.b, "w": profile.w}
     gap = float(profile.overhead)
-    overhead: dict[str, float] = {}
-    for kind, per_stage in measured.items():
-        if any(v is None for v in per_stage):  # fused BW: no separate B and W to calibrate against
-            overhead[kind] = gap
-            continue
+    fused = any(v is None for v in (*profile.b, *profile.w))
+    overhead = {"f": _calibrate_kind(parts, profile.f, "f", S, held, cost) + gap}
+    if fused and any(v is None for v in profile.bw):  # neither split nor fused times on every stage: not calibrated
+        return {**overhead, "b": gap, "w": gap}
+    if not fused:
+        for kind, per_stage in (("b", profile.b), ("w", profile.w)):
+            overhead[kind] = _calibrate_kind(parts, per_stage, kind, S, held, cost) + gap
+        return overhead
+    shares = {p: (q["b"], q["w"]) for p, q in parts.items()}  # each part's BW as shared before the remainder
 
-        def rest(s: int, kind: str = kind, per_stage: tuple = per_stage) -> float:
-            return float(per_stage[s]) - sum(n * cost(s, p, kind) for p, n in held(s).items())
+    def bw(s: int, part: str, kind: str) -> float:
+        return cost(s, part, "b") + cost(s, part, "w")
 
-        middle = [rest(s) for s in range(S) if not held(s)["embedding"] and not held(s)["head"]]
-        every = max(0.0, statistics.median(middle)) if middle else 0.0
-        parts["embedding"][kind] += rest(0) - every
-        parts["head"][kind] += rest(S - 1) - every if S > 1 else 0.0
-        overhead[kind] = every + gap
+    def add(part: str, rest: float) -> None:
+        b, w = shares[part]
+        b_share = b / (b + w) if b + w > 0 else 1.0
+        parts[part]["b"] += rest * b_share
+        parts[part]["w"] += rest * (1.0 - b_share)
+
+    overhead["b"] = _calibrate_kind(parts, profile.bw, "bw", S, held, bw, add=add) + gap
+    overhead["w"] = 0.0
     return overhead
+
+
+def _calibrate_kind(
+    parts: dict[str, dict[str, float]],
+    per_stage: Sequence[float | None],
+    kind: str,
+    num_stages: int,
+    held: Callable[[int], dict[str, int]],
+    cost: Callable[[int, str, str], float],
+    *,
+    add: Callable[[str, float], None] | None = None,
+) -> float:
+    """One kind's calibration (``_calibrate``): each stage's measured ``per_stage`` time less its parts'; the
+    median over the stages without embedding and head (at least 0) is what every action pays beyond its parts
+    (returned), the first and the last stage's rest beyond it goes to the embedding and the head (``add(part,
+    time)``; default: onto ``parts[part][kind]``)."""
+
+    def rest(s: int) -> float:
+        return float(per_stage[s]) - sum(n * cost(s, p, kind) for p, n in held(s).items())
+
+    def onto(part: str, time: float) -> None:
+        parts[part][kind] += time
+
+    add = onto if add is None else add
+    middle = [rest(s) for s in range(num_stages) if not held(s)["embedding"] and not held(s)["head"]]
+    every = max(0.0, statistics.median(middle)) if middle else 0.0
+    rest0, rest_last = rest(0), rest(num_stages - 1)  # both before either moves
+    add("embedding", rest0 - every)
+    if num_stages > 1:
+        add("head", rest_last - every)
+    return every

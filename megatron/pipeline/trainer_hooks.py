@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -206,7 +207,14 @@ def layer_split_summary(layout: PipelineLayout) -> str:
     return text + ")"
 
 
-def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelContext, log: Any) -> Any:
+def attach_replanner(
+    pipe: GPTPipeline | None,
+    run: RunConfig,
+    ctx: ParallelContext,
+    log: Any,
+    *,
+    step_ms: Callable[[], float | None] | None = None,
+) -> Any:
     """The run's schedule re-planned from profiled costs: a ``WindowReplanner`` over
     ``--zero-bubble-pipeline-timers-start/end-iter``.
 
@@ -218,7 +226,8 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
     state.  ``--pipeline-memory-limit-gb`` bounds the split re-decided in the window; a limit that the measured
     memory proves impossible raises ``ConfigError`` on every rank alike (the same agreed profile everywhere).
     Every rank builds it (the switch is collective over the job so all tensor- and data-parallel replicas
-    adopt one plan).
+    adopt one plan).  ``step_ms``: this rank's own optimizer work in its last step (the optimizer's
+    ``last_step_ms``), which the window shares among the parts (``PartTimer``).
     """
     cfg = run.pipeline
     resplit = _measures_split(run)
@@ -249,7 +258,7 @@ def attach_replanner(pipe: GPTPipeline | None, run: RunConfig, ctx: ParallelCont
         limit_flag=_limit_flag(cfg if auto else None, gb_limit),
     )
     if resplit:
-        _measure_split(replanner, pipe, run, ctx, log)
+        _measure_split(replanner, pipe, run, ctx, log, step_ms)
     return pipe.runtime.attach(replanner)  # it switches the runtime's plans after the window's last iteration
 
 
@@ -285,14 +294,23 @@ FULL_RECOMPUTE_KEPT = (
 
 
 def _measure_split(
-    replanner: WindowReplanner, pipe: GPTPipeline, run: RunConfig, ctx: ParallelContext, log: Any
+    replanner: WindowReplanner,
+    pipe: GPTPipeline,
+    run: RunConfig,
+    ctx: ParallelContext,
+    log: Any,
+    step_ms: Callable[[], float | None] | None = None,
 ) -> None:
     """Time the parts of the stages in the window (``PartTimer``), put them in the profile's ``parts`` and plan
     the split from the agreed profile on every rank (``MeasuredSplit``, kept in ``replanner.agreed``)."""
     layout = run.pipeline_layout
     auto = run.recompute.auto  # the window re-decides each stage's recompute with the split
     timer = PartTimer(
-        pipe.runtime, start_iter=replanner.start_iter, end_iter=replanner.end_iter, layers_without_recompute=auto
+        pipe.runtime,
+        start_iter=replanner.start_iter,
+        end_iter=replanner.end_iter,
+        layers_without_recompute=auto,
+        step_ms=step_ms,
     )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"

@@ -88,7 +88,8 @@ class RecomputeOption:
     backward has freed by then); ``transient_bw`` the same inside a fused BW, whose W work runs as it goes
     (``ModelCosts.stage_transient`` makes a stage's of them).  Whole-layer recompute in runs (Megatron's
     ``--recompute-method``): ``run`` layers recompute as one unit (uniform; F keeps one ``mem_f`` per run and B
-    rebuilds the run's other layers beside the first's transient); ``block`` > 0 recomputes only a stage's first
+    rebuilds the run's other layers beside the first's transient; a stage's last run is shorter where ``run`` does
+    not divide its layers, ``run_lengths``); ``block`` > 0 recomputes only a stage's first
     ``block`` layers (the rest keep their activations)."""
 
     name: str
@@ -126,12 +127,53 @@ def recompute_rest(*, num_layers: int, swap: float, head: float = 0.0) -> float:
     return max(0.0, (num_layers - 1) * swap) + head
 
 
-def recompute_transient(transient: float, *, num_layers: int, swap: float, head: float = 0.0) -> float:
-    """``StageCosts.mem_b_transient`` (``mem_bw_transient``) of a stage whose ``num_layers`` layers recompute, each
-    holding ``transient`` above what F kept of it while it does: that plus ``recompute_rest``; 0 without layers."""
-    if num_layers < 1:
-        return 0.0
-    return max(0.0, transient + recompute_rest(num_layers=num_layers, swap=swap, head=head))
+def run_lengths(num_layers: int, run: int) -> tuple[int, ...]:
+    """The layers of each run (first to last) when ``num_layers`` layers recompute in runs of ``run`` (Megatron's
+    uniform method): the last run is shorter when ``run`` does not divide them."""
+    return tuple(min(run, num_layers - i) for i in range(0, num_layers, run))
+
+
+def runs_transient(
+    runs: Sequence[int], *, transient: float, rebuilt: float, swap_run: float, swap_layer: float, head: float = 0.0
+) -> float:
+    """``StageCosts.mem_b_transient`` (``mem_bw_transient``) of a stage whose recomputed layers form ``runs`` (each
+    run's layer count, first to last): B runs the head and the layers that keep their activations (``head``: what
+    they add), then the runs last to first; while a run of ``n`` layers recomputes it holds ``transient`` (its first
+    layer's, above what F kept of it) plus its other layers rebuilt (``rebuilt`` each), and when it is done it has
+    added ``swap_run + n * swap_layer`` (in a B: what waits for its W less the one input F kept; in a BW: less that
+    input).  The highest of these points; 0 without runs."""
+    done, top = head, -math.inf
+    for n in reversed(runs):
+        top = max(top, done + transient + (n - 1) * rebuilt)
+        done += swap_run + n * swap_layer
+    return max(0.0, top) if runs else 0.0
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """Each part's share of its rank's work between iterations (the optimizer step over the parameters it holds):
+    per embedding, per transformer layer, per head.  Every rank starts that work at the pipeline's end (the
+    tied-embedding gradient sum synchronises them), so the iteration waits for the rank with the most
+    (``largest_rank``)."""
+
+    embedding: float = 0.0
+    layer: float = 0.0
+    head: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("embedding", "layer", "head"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"step share {name}={v} must be finite and >= 0")
+
+    def largest_rank(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
+        """The largest rank's share under the split ``layers`` (per virtual stage) placed by ``stage_to_rank``."""
+        S = len(layers)
+        per_rank: dict[int, float] = {}
+        for s, n in enumerate(layers):
+            own = n * self.layer + (self.embedding if s == 0 else 0.0) + (self.head if s == S - 1 else 0.0)
+            per_rank[stage_to_rank[s]] = per_rank.get(stage_to_rank[s], 0.0) + own
+        return max(per_rank.values(), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -146,7 +188,10 @@ class ModelCosts:
     recompute: tuple[RecomputeOption, ...] = ()  # options each stage may take besides no recompute
     # Time every virtual stage's F, B and W takes beyond its parts (the runtime's work per action); memory unused.
     overhead: PartCosts = PartCosts(f=0.0, b=0.0, w=0.0)
-    step: float = 0.0  # time per iteration outside the pipeline's actions (optimizer step, iteration boundary)
+    # time per iteration outside the pipeline's actions (optimizer step, iteration boundary): ``step`` on every
+    # split plus the largest rank's ``step_share`` (``step_time``)
+    step: float = 0.0
+    step_share: StepShare = StepShare()
     # Every stage takes ``recompute[0]`` (an explicit recompute, e.g. Megatron's --recompute-granularity full): the
     # planner chooses the split only, "none" is no candidate.
     fixed_recompute: bool = False
@@ -168,7 +213,7 @@ class ModelCosts:
     def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
         """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
         "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...], "overhead": {f, b, w},
-        "step": T}`` (the last two optional)."""
+        "step": T, "step_share": {embedding, layer, head}}`` (the last three optional)."""
         if not isinstance(d, dict):
             raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
         try:
@@ -181,6 +226,7 @@ class ModelCosts:
                 recompute=rec,
                 overhead=over,
                 step=float(d.get("step", 0.0)),
+                step_share=StepShare(**d.get("step_share", {})),
                 fixed_recompute=bool(d.get("fixed_recompute", False)),
                 **parts,
             )
@@ -191,6 +237,11 @@ class ModelCosts:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def step_time(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
+        """The time between iterations of the split ``layers`` placed by ``stage_to_rank``: the fixed ``step`` plus
+        the largest rank's optimizer share (``StepShare.largest_rank``)."""
+        return self.step + self.step_share.largest_rank(layers, stage_to_rank)
 
     def option_names(self) -> tuple[str, ...]:
         return (NO_RECOMPUTE,) + tuple(o.name for o in self.recompute)
@@ -204,7 +255,7 @@ class ModelCosts:
             o = self.recompute[option - 1]
             k = o.recomputed(num_layers)
             layers = [(num_layers - k, self.layer), (k, o.apply(self.layer))]
-            kept = (k - math.ceil(k / o.run)) * o.mem_f  # uniform runs: one input per run, not per layer
+            kept = (k - len(run_lengths(k, o.run))) * o.mem_f  # uniform runs: one input per run, not per layer
         parts = [*layers, (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
         return PartCosts(
             f=sum(n * q.f for n, q in parts),
@@ -237,21 +288,24 @@ class ModelCosts:
 
     def stage_transient(self, num_layers: int, option: int, *, last: bool, fused: bool = False) -> float:
         """What a B (``fused``: a BW) of a virtual stage with ``num_layers`` layers under option ``option`` (0 =
-        none: nothing) holds above the sum before it while it recomputes (``recompute_transient``): in a B each
-        layer swaps what F kept for what waits for its W, and the head adds its ``mem_b``; in a BW they free all."""
+        none: nothing) holds above the sum before it while it recomputes (``runs_transient``): in a B each run
+        swaps the input F kept for what waits for its layers' W, and the head adds its ``mem_b``; in a BW they free
+        all."""
         if option == 0:
             return 0.0
         o = self.recompute[option - 1]
         k = o.recomputed(num_layers)
-        # B runs the head, the layers that keep their activations (the last ones), then the recomputing ones run by
-        # run; a run rebuilds its other layers' activations beside its first's transient, and swaps as a whole
-        runs, r = math.ceil(k / o.run), min(o.run, k)
-        rebuilt = (r - 1) * self.layer.mem_f
-        if fused:
+        runs = run_lengths(k, o.run)  # uniform: the last run is shorter when the run does not divide the layers
+        if fused:  # a BW frees what it holds as it goes: a run frees the one input F kept of it
             head = (-self.head.mem_f if last else 0.0) - (num_layers - k) * self.layer.mem_f
-            return recompute_transient(o.transient_bw + rebuilt, num_layers=runs, swap=-o.mem_f * r, head=head)
+            return runs_transient(
+                runs, transient=o.transient_bw, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=0.0, head=head
+            )
         head = (self.head.mem_b if last else 0.0) + (num_layers - k) * self.layer.mem_b
-        return recompute_transient(o.transient + rebuilt, num_layers=runs, swap=o.mem_b * r, head=head)
+        held = o.mem_f + o.mem_b  # what a layer's deferred W waits on after B
+        return runs_transient(
+            runs, transient=o.transient, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=held, head=head
+        )
 
 
 @dataclass(frozen=True)
@@ -261,7 +315,7 @@ class StagePlan:
     schedule_name: str
     layers: tuple[int, ...]  # per virtual stage
     recompute: tuple[str, ...]  # per virtual stage: an option name or "none"
-    iteration: float  # simulated end of the iteration (SimResult.end_time) plus the model's ``step``
+    iteration: float  # simulated end of the iteration (SimResult.end_time) plus the model's ``step_time``
     peak_memory: tuple[float, ...]  # per rank
     schedule: Schedule
     costs: StageCosts
@@ -446,7 +500,7 @@ def plan_stages(
         peak = _peak(plan, costs)
         if max(peak) > limit:
             return None
-        end = simulate(plan, costs).end_time
+        end = simulate(plan, costs).end_time + model.step_time(layers, place)  # the bounds on end_time bound it
         return end, (layers, opts, end, peak, plan, costs)
 
     best, n, exact = _search(
@@ -478,8 +532,7 @@ def plan_stages(
         )
     layers, opts, end, peak, plan, costs = best
     names = model.option_names()
-    iteration = end + model.step
-    return StagePlan(schedule, layers, tuple(names[o] for o in opts), iteration, peak, plan, costs, n, exact)
+    return StagePlan(schedule, layers, tuple(names[o] for o in opts), end, peak, plan, costs, n, exact)
 
 
 def evaluate_split(
@@ -493,7 +546,7 @@ def evaluate_split(
     recompute: Sequence[str] | None = None,
     mem_limit: float | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    """(simulated iteration plus the model's ``step``, per-rank peak) of one given split (and recompute choice,
+    """(simulated iteration plus the model's ``step_time``, per-rank peak) of one given split (and recompute choice,
     default none): what the planner's answer is compared with, e.g. the even split.  ``mem_limit``: a
     memory-capped cost-dependent schedule (zb-auto) plans within it, as the planner does (``ValueError`` if it
     cannot); other plans are simulated as they are."""
@@ -508,7 +561,7 @@ def evaluate_split(
     if plan is None:
         within = "" if mem_limit is None or not shape.takes_limit else f" within the memory limit {mem_limit:g}"
         raise ValueError(f"schedule {schedule!r} cannot serve split {list(layers)}{within}")
-    return simulate(plan, costs).end_time + model.step, _peak(plan, costs)
+    return simulate(plan, costs).end_time + model.step_time(layers, shape.stage_to_rank), _peak(plan, costs)
 
 
 def even_split(num_layers: int, num_stages: int) -> tuple[int, ...] | None:
