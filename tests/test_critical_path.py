@@ -101,8 +101,8 @@ def _trace_as_simulated(name: str, p: int, m: int, *, comm_ms: float, post_ms: f
     for r, line in enumerate(res.timeline):
         free = 0.0
         for x in line:
-            t = x.start
-            for h in halves(x.action):
+            t, hs = x.start, halves(x.action)
+            for h in hs:
                 fwd = h.kind is Kind.F
                 if h.kind is not Kind.W:  # its input from another rank: waited for from the rank's previous end
                     src = h.stage - 1 if fwd else h.stage + 1
@@ -114,7 +114,7 @@ def _trace_as_simulated(name: str, p: int, m: int, *, comm_ms: float, post_ms: f
                     dst = h.stage + 1 if fwd else h.stage - 1
                     if 0 <= dst <= last and owner[dst] != r:
                         evs.append(_ev(r, "SEND_F" if fwd else "SEND_B", h.stage, h.microbatch, x.end + post_ms, 0, 1))
-                dur = x.end - t if h is halves(x.action)[-1] else costs.f[h.stage]  # a pair: F, then BW
+                dur = x.end - t if h is hs[-1] else costs.f[h.stage]  # a pair: F, then BW
                 evs.append(_ev(r, h.kind.value, h.stage, h.microbatch, t, dur))
                 t += dur
             free = x.end

@@ -279,6 +279,18 @@ def recompute_mode(args: argparse.Namespace, load_start: str) -> tuple[dict, lis
     return {**result, "wall_s": time.time() - t0}, md
 
 
+def limit_gb_arg(text: str) -> str:
+    """``--limit-gb``: a positive number of GiB or ``midpoint``, checked before any launch."""
+    if text != "midpoint":
+        try:
+            ok = float(text) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a positive number of GiB or 'midpoint'")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -290,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--limit-gb",
         default=RECOMPUTE_LIMIT_GB,
+        type=limit_gb_arg,
         help=f"--recompute: the limit in GiB, or 'midpoint' of ZB-H1's and ZB-H2's peaks ({RECOMPUTE_LIMIT_GB})",
     )
     args = ap.parse_args(argv)

@@ -24,7 +24,7 @@ from zb_pipeline.runtime.trace import Tracer, merge_traces
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.critical_path import critical_path
-from zb_pipeline.schedule.ir import Schedule
+from zb_pipeline.schedule.ir import Kind, Schedule
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.plan_file import plan_from_dict, plan_to_dict
 from zb_pipeline.schedule.simulate import simulate
@@ -132,7 +132,7 @@ def _transfer_times(events: list[dict], t0: float, iteration: int) -> tuple[list
             begin = t0 + e["ts"] / 1e6
             pair = a.get("pair")
             if pair is not None:
-                cat, begin = "F+BW", pair_begin.setdefault(pair, begin)  # the forward half is traced first
+                cat, begin = Kind.PAIR.value, pair_begin.setdefault(pair, begin)  # the forward half is traced first
             produced.append(((iteration, d, a["stage"], a["microbatch"]), cat, begin))
         elif cat == "wait" and a.get("kind") in ("RECV_F", "RECV_B"):
             d, s = (0, a["stage"] - 1) if a["kind"] == "RECV_F" else (1, a["stage"] + 1)
@@ -148,7 +148,7 @@ def in_pipeline_latency_ms(results: list[dict], key: str, chunks: int, emu: Emul
     end).  It holds what the ping-pong misses: the sender oversleeping before it posts, the transfer, and the
     receiver's wake-up.  The mean over the blocked receives: a critical path of n hops costs n times the mean, not
     the median."""
-    cost = {"F": emu.f_ms, "B": emu.b_ms, "BW": emu.b_ms + emu.w_ms, "F+BW": emu.f_ms + emu.b_ms + emu.w_ms}
+    cost = {"F": emu.f_ms, "B": emu.b_ms, "BW": emu.b_ms + emu.w_ms, Kind.PAIR.value: emu.f_ms + emu.b_ms + emu.w_ms}
     due = {}
     for r in results:
         for k, kind, begin in r["cases"][key]["sends"]:

@@ -132,7 +132,7 @@ def critical_path(
     for r, spans in enumerate(meas.compute):
         prev = None
         for sp in spans:
-            key = (sp.action.stage, sp.action.kind, sp.action.microbatch)
+            key = _key(sp.action)
             ran[key] = (r, sp)
             before[key] = prev
             prev = sp
@@ -194,7 +194,7 @@ def critical_path(
             link, link_ms, nxt = "local-dep", sp.start - ran[local_dep][1].end, local_dep
         if link == "start" and prev is not None:
             link, link_ms = "local", sp.start - prev.end
-            nxt = (prev.action.stage, prev.action.kind, prev.action.microbatch)
+            nxt = _key(prev.action)
         steps.append(PathStep(r, a, sp.start, sp.end, link, link_ms, posting))
         if nxt is None:
             break
