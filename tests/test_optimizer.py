@@ -104,12 +104,13 @@ def test_clip_matches_torch_and_reports_nonfinite():
     assert stats.found_nonfinite and math.isnan(stats.norm)
     # +inf and -inf in different tensors: their squares add up to inf, they cannot cancel; finite grads flag nothing
     finite = [torch.ones(3), torch.full((2,), 2.0)]
-    assert local_stats_of(finite).tolist() == [11.0, 0.0]
-    assert local_stats_of([torch.tensor([1.0, float("inf")]), torch.tensor([-float("inf")])])[1] > 0
-    assert local_stats_of([torch.tensor([float("-inf")])])[1] > 0
+    assert _local_stats_of(finite).tolist() == [11.0, 0.0]
+    assert _local_stats_of([torch.tensor([1.0, float("inf")]), torch.tensor([-float("inf")])])[1] > 0
+    assert _local_stats_of([torch.tensor([float("-inf")])])[1] > 0
 
 
-def local_stats_of(grads: list[torch.Tensor]) -> torch.Tensor:
+def _local_stats_of(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``local_grad_stats`` of parameters whose main gradients are ``grads``."""
     params = []
     for g in grads:
         p = torch.nn.Parameter(torch.zeros_like(g))

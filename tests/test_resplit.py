@@ -271,7 +271,7 @@ def test_parts_combine_measured_times_with_the_stage_profile() -> None:
     """F and B of each part are the medians of every rank's samples; a stage's measured W and memory are shared among
     its parts in the analytic model's proportions; what a stage's action holds beyond its parts goes to the
     embedding (first stage) and the head (last stage), so the parts add up to every measured stage again."""
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.schedule.profile import Profile
     from zb_pipeline.schedule.stage_planner import ModelCosts
 
@@ -309,7 +309,7 @@ def test_parts_share_each_ranks_optimizer_work_by_parameters() -> None:
     their parameter counts, a part's share the median over the ranks holding it; the fixed part is the measured
     time between iterations less the largest rank's share on the window's split, so that split gives it back and
     another split moves it with the rank that holds the most (given costs)."""
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.schedule.profile import Profile
     from zb_pipeline.schedule.stage_planner import ModelCosts
 
@@ -343,7 +343,7 @@ def test_parts_share_each_ranks_optimizer_work_by_parameters() -> None:
 def test_parts_calibration_finds_the_per_action_overhead() -> None:
     """With a stage that holds neither the embedding nor the head, what its actions hold beyond its layers is the
     overhead every action pays (plus the runtime's gap between actions); the parts still add up to every stage."""
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.schedule.profile import Profile
     from zb_pipeline.schedule.stage_planner import ModelCosts
 
@@ -384,7 +384,7 @@ def test_fused_bw_window_replans_and_resplits_from_the_measured_bw() -> None:
     """1F1B runs only fused BW: the window's re-plan simulates its plan under the measured BW (it has no split B
     and W to ask for), and each part's B and W are its timed BW shared in the analytic B : W ratio, so the stage
     planner re-decides the split from what the window measured (a head whose BW weighs four layers' moves one)."""
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.runtime.replanner import regenerate
     from zb_pipeline.schedule.profile import Profile, predict_makespan
     from zb_pipeline.schedule.stage_planner import ModelCosts, plan_stages
@@ -425,7 +425,7 @@ def test_fused_bw_calibration_pays_the_overhead_once() -> None:
     the per-action overhead (the stages without embedding and head) and the embedding's and head's rest, so the
     parts add up to every measured BW, and the runtime's gap between actions is paid once per BW, not on its B and
     its W both."""
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.schedule.profile import Profile
     from zb_pipeline.schedule.stage_planner import ModelCosts
 

@@ -25,7 +25,7 @@ With an fp32 model and no sharding the main parameter *is* the model parameter (
 
 ``last_step_ms`` is this rank's own work in its last applied step on the CPU (unscale and local statistics, update
 and publish; not the wait for the other stages' statistics): the stage planner's share of the optimizer per part
-(``megatron.pipeline.part_timer``).  ``None`` on a GPU, where the host does not see the device's time.
+(``megatron.pipeline.part_costs``).  ``None`` on a GPU, where the host does not see the device's time.
 """
 
 from __future__ import annotations

@@ -102,12 +102,10 @@ def planner_recompute(
         return recompute_options(model, **shape)
     if not recompute.enabled:
         return ()
-    rc = recompute
-    return (
-        explicit_recompute_option(
-            model, granularity=rc.granularity, method=rc.method, num_layers=rc.num_layers, **shape
-        ),
+    option = explicit_recompute_option(
+        model, granularity=recompute.granularity, method=recompute.method, num_layers=recompute.num_layers, **shape
     )
+    return (option,)
 
 
 def plans_within_bytes(schedule: str) -> bool:

@@ -305,13 +305,16 @@ def _measure_split(
     the split from the agreed profile on every rank (``MeasuredSplit``, kept in ``replanner.agreed``)."""
     layout = run.pipeline_layout
     auto = run.recompute.auto  # the window re-decides each stage's recompute with the split
-    timer = PartTimer(
-        pipe.runtime,
-        start_iter=replanner.start_iter,
-        end_iter=replanner.end_iter,
-        layers_without_recompute=auto,
-        step_ms=step_ms,
-    )
+    split_kept = run.recompute.full and (run.recompute.method, run.recompute.num_layers) != ("uniform", 1)
+    timer = None
+    if not split_kept:  # FULL_RECOMPUTE_KEPT: no part is timed, no hook installed
+        timer = PartTimer(
+            pipe.runtime,
+            start_iter=replanner.start_iter,
+            end_iter=replanner.end_iter,
+            layers_without_recompute=auto,
+            step_ms=step_ms,
+        )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"
     options = planner_recompute(
@@ -335,8 +338,7 @@ def _measure_split(
     in_force = chosen if auto else (options[0].name,) * len(layout.layer_ranges) if explicit else ()
 
     def parts(profile: Profile) -> dict[str, Any] | None:
-        if run.recompute.full and (run.recompute.method, run.recompute.num_layers) != ("uniform", 1):
-            timer.detach()
+        if timer is None:
             if ctx.rank == 0:
                 log(FULL_RECOMPUTE_KEPT)
             return None
