@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.model.config import GPTConfig
-from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts, RecomputeOption
+from zb_pipeline.schedule.model_costs import ModelCosts, PartCosts, RecomputeOption
 
 GFLOP = 1e9  # the planner's time unit: costs are in GFLOPs (only their ratios matter to the split)
 
