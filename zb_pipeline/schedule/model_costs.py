@@ -178,8 +178,9 @@ class ModelCosts:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
         """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
-        "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...], "overhead": {f, b, w},
-        "step": T, "step_share": {embedding, layer, head}}`` (the last three optional)."""
+        "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b, transient, transient_bw, run, block},
+        ...], "overhead": {f, b, w}, "step": T, "step_share": {embedding, layer, head}, "fixed_recompute": bool}``
+        (all but num_layers, layer, embedding and head optional; so are the fields with defaults)."""
         if not isinstance(d, dict):
             raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
         try:
