@@ -13,16 +13,17 @@ option) of the next stage.  A partial candidate is cut when a lower bound alread
 iteration: every rank is busy ``m * (f + b + w)`` of its stages, the stage cannot start before the forward chain
 reaches it, and the work still to place lands on the ranks of the later stages (the busiest of them has at least
 their average); a complete candidate is simulated only if ``bounds.iteration_lower_bound`` is below the best.
-Memory cuts a branch once a rank is over the limit: for a plan that does not depend on costs its peak is exact as
-soon as its stages are fixed (and the stages fixed so far bound it from below -- every stage adds ``>= 0`` at every
-point while ``mem_f >= 0`` and ``mem_f + mem_b >= 0``); for a cost-dependent plan (zb-auto, zb-h2, the V
-schedules) each stage's own microbatch bounds it, and the plan is generated per candidate.  The worst case
+Memory cuts a branch once a rank is over the limit: for a plan that does not depend on costs its peak without the
+recompute transients (which only add) is known as soon as its stages are fixed (and the stages fixed so far bound it
+from below -- every stage adds ``>= 0`` at every point while ``mem_f >= 0`` and ``mem_f + mem_b >= 0``); for a
+cost-dependent plan (zb-auto, zb-h2, the V schedules) each stage's own microbatch bounds it, and the plan is generated
+per candidate.  A complete candidate's peak, transients included, comes from its plan (``order_peak``). The worst case
 enumerates all ``C(L - 1, S - 1) * (R + 1)^S`` candidates (L layers, S virtual stages, R options), each an O(S m)
 simulation; in practice only candidates whose busiest rank is within the bubble of the best are simulated (tens to
-hundreds).  ``max_evaluations`` caps the simulations (5000, or 200 when each generates a plan); a capped search says
-so (``StagePlan.exact`` is False).  Measured on the loaded 2-core development machine: p = 4, 16 layers, m = 8,
-zb-h1: 6-12 simulations, 0.1 s; p = 8, 32 layers, m = 32: 566 simulations, 16 s; zb-v at p = 4 (a plan per
-candidate): 416 plans, 145 s.
+hundreds).  ``max_evaluations`` caps the simulations (5000, or 200 when each generates a plan); a capped search says so
+(``StagePlan.exact`` is False).  Measured on the loaded 2-core development machine: p = 4, 16 layers, m = 8, zb-h1: 6-12
+simulations, 0.1 s; p = 8, 32 layers, m = 32: 566 simulations, 16 s; zb-v at p = 4 (a plan per candidate): 416 plans,
+145 s.
 
 An infeasible memory limit raises ``PlannerError`` naming the smallest limit that works (the same search,
 minimising the peak instead).
