@@ -31,10 +31,10 @@ RECOMPUTE = {
     "uniform2-short": {"granularity": "full", "method": "uniform", "num_layers": 2},
 }
 SPLITS = {"uniform2-short": (3, 1)}  # layers per stage where a case is not the even split
+# Every prediction against the measured: the issue's 5%, fixed before measuring.  The per-part model holds every
+# stage (the first too, since the embedding's output is laid out as [s, b, h]: its layers hold what the others hold);
+# measured on the make-test cases: peaks 0.03%, B transients 0.35%, the window's derived memory 0.12% at most.
 TOL = 0.05
-# The per-part model against the measured, every stage (the first too, since the embedding's output is laid out as
-# [s, b, h]: its layers hold what the others hold): the issue's 5%, fixed before measuring (measured: 0.1% at most).
-MODEL_TOL = TOL
 
 
 def _cfg():
@@ -124,8 +124,9 @@ def profiles() -> dict:
 
 
 def _costs(prof, plan):
-    fused = not any(a.kind.value in ("B", "W") for acts in plan.ranks for a in acts)
-    return prof.to_stage_costs(fused=fused)
+    from zb_pipeline.schedule.profile import fuses_backward
+
+    return prof.to_stage_costs(fused=fuses_backward(plan))
 
 
 def test_predicted_peak_equals_measured_for_every_schedule_with_and_without_recompute(profiles) -> None:
@@ -251,9 +252,9 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
     """The stage planner's per-part model at start-up (the analytic ``megatron.model.cost_model``, with the
     transient of a recomputing B or BW, ``ModelCosts.stage_transient``): for every schedule, without recompute, with
     each auto option and with each explicit recompute (block: the first layer of each stage only), the predicted
-    transient of every stage and the predicted peak of every rank equal the measured within 5% (transients) and 1%
-    (peaks, every rank)."""
+    transient of every stage and the predicted peak of every rank equal the measured within ``TOL``."""
     from zb_pipeline.schedule.memory import peak_memory
+    from zb_pipeline.schedule.profile import fuses_backward
 
     auto = _analytic_model()
     for (name, rc), (prof, plan) in profiles.items():
@@ -264,7 +265,7 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
             models.append((_explicit_model(rc), 1))
         for model, option in models:
             costs = model.stage_costs(layers, (option,) * S)
-            fused = not any(a.kind.value in ("B", "W") for acts in plan.ranks for a in acts)
+            fused = fuses_backward(plan)
             predicted = costs.mem_bw_transient if fused else costs.mem_b_transient
             measured = prof.mem_bw_transient if fused else prof.mem_b_transient
             for s in range(S):
@@ -272,10 +273,7 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
             peaks = peak_memory(plan, costs)
             for r in range(P):
                 m = prof.peak_bytes[r]
-                assert abs(peaks[r] - m) <= MODEL_TOL * m, (name, rc, r, peaks, prof.peak_bytes)
-
-
-WINDOW_MODEL_TOL = MODEL_TOL
+                assert abs(peaks[r] - m) <= TOL * m, (name, rc, r, peaks, prof.peak_bytes)
 
 
 @pytest.mark.parametrize("ran", ["none", "full", "selective"])
@@ -284,8 +282,8 @@ def test_one_window_predicts_the_memory_of_every_recompute_choice(profiles, ran)
     from one window whose stages ran ``ran``, what F keeps under every other choice is that choice's analytic bytes
     times the layer's calibration factor, and after B every choice holds what the layer without recompute holds.
     Checked against the saved-tensor bytes measured with each choice (ZB-H1, both stages): what F keeps and what
-    waits for W, per stage (the first too), within 1%; the peak predicted with the B transients, per rank, within
-    1%."""
+    waits for W, per stage (the first too), and the peak predicted with the B transients, per rank, within
+    ``TOL``."""
     import dataclasses
 
     from megatron.model.cost_model import model_costs, recompute_options
@@ -314,7 +312,7 @@ def test_one_window_predicts_the_memory_of_every_recompute_choice(profiles, ran)
             held = (predicted.mem_f[s] + predicted.mem_b[s], measured.mem_f[s] + measured.mem_b[s])
             checks = {"W waits on": held, "F keeps": (predicted.mem_f[s], measured.mem_f[s])}
             for what, (p, m) in checks.items():
-                assert abs(p - m) <= WINDOW_MODEL_TOL * m, (ran, target, s, what, p, m)
+                assert abs(p - m) <= TOL * m, (ran, target, s, what, p, m)
         # with the B transients (``ModelCosts.stage_transient``), the peak the planner predicts is the measured one
         peaks = peak_memory(profiles[("zb-h1", target)][1], predicted)
-        assert all(abs(p - m) <= MODEL_TOL * m for p, m in zip(peaks, measured.peak_bytes)), (ran, target, peaks)
+        assert all(abs(p - m) <= TOL * m for p, m in zip(peaks, measured.peak_bytes)), (ran, target, peaks)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.model.config import GPTConfig
-from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts, RecomputeOption
+from zb_pipeline.schedule.model_costs import ModelCosts, PartCosts, RecomputeOption
 
 GFLOP = 1e9  # the planner's time unit: costs are in GFLOPs (only their ratios matter to the split)
 
@@ -181,6 +181,15 @@ def full_recompute_transient_bytes_per_token(
     )
 
 
+def attention_core_rebuilt_bytes_per_token(config: GPTConfig, bytes_per_element: int, *, on_cuda: bool) -> float:
+    """What selective recompute's replay of the core attention rebuilds, per token: the core's own tensors, and with
+    the fused kernel its output too (a new tensor, no longer the output projection's input)."""
+    rebuilt = attention_core_saved_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda)
+    if attention_is_fused(config, on_cuda=on_cuda):
+        rebuilt += config.num_attention_heads * config.kv_channels * bytes_per_element
+    return rebuilt
+
+
 def selective_recompute_transient_bytes_per_token(
     config: GPTConfig, bytes_per_element: int, *, on_cuda: bool = False
 ) -> float:
@@ -190,10 +199,8 @@ def selective_recompute_transient_bytes_per_token(
     sum, the norm's own tensors and the dropout masks are gone, the three linears' output gradients wait for W; the
     core's graph is rebuilt (with the fused kernel its output too, a new tensor)."""
     e = bytes_per_element
-    h, q, ffn = config.hidden_size, config.num_attention_heads * config.kv_channels, config.ffn_hidden_size
-    rebuilt = attention_core_saved_bytes_per_token(config, e, on_cuda=on_cuda)
-    if attention_is_fused(config, on_cuda=on_cuda):
-        rebuilt += q * e
+    h, ffn = config.hidden_size, config.ffn_hidden_size
+    rebuilt = attention_core_rebuilt_bytes_per_token(config, e, on_cuda=on_cuda)
     grads = (h + (2 if config.swiglu else 1) * ffn + h) * e
     freed = (
         mlp_saved_bytes_per_token(config, e)
@@ -213,9 +220,7 @@ def selective_recompute_bw_transient_bytes_per_token(
     inputs too) and hold no gradients."""
     e = bytes_per_element
     h, q = config.hidden_size, config.num_attention_heads * config.kv_channels
-    rebuilt = attention_core_saved_bytes_per_token(config, e, on_cuda=on_cuda)
-    if attention_is_fused(config, on_cuda=on_cuda):
-        rebuilt += q * e
+    rebuilt = attention_core_rebuilt_bytes_per_token(config, e, on_cuda=on_cuda)
     freed = (
         mlp_saved_bytes_per_token(config, e)
         + (2 * h + q) * e
@@ -267,6 +272,7 @@ def recompute_options(
     held = layer_weight_grad_bytes_per_token(config, e) * tokens
     selective = layer_selective_bytes_per_token(config, e, on_cuda=on_cuda) * tokens
     full = layer_input_bytes_per_token(config, e) * tokens
+    full_transient = full_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens
     return (
         RecomputeOption(
             "selective",
@@ -281,8 +287,8 @@ def recompute_options(
             b_extra=layer_forward_flops_per_token(config) * scale,
             mem_f=full,
             mem_b=held - full,
-            transient=full_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
-            transient_bw=full_recompute_transient_bytes_per_token(config, e, on_cuda=on_cuda) * tokens,
+            transient=full_transient,
+            transient_bw=full_transient,
         ),
     )
 
@@ -329,42 +335,32 @@ def model_costs(
     head, loss = head_forward_flops_per_token(config, padded_vocab_size), loss_flops_per_token(padded_vocab_size)
     emb = embedding_flops_per_token(config)
     scale = tokens / GFLOP
-    emb_bytes = (
-        embedding_activation_bytes_per_token(
-            config, bytes_per_element, micro_batch_size=micro_batch_size, on_cuda=on_cuda
-        )
-        * tokens
-    )
+    e = bytes_per_element
+    emb_bytes = embedding_activation_bytes_per_token(config, e, micro_batch_size=micro_batch_size, on_cuda=on_cuda)
+    layer_bytes = layer_activation_bytes_per_token(config, e, on_cuda=on_cuda)  # per token, as the rest
+    head_bytes = head_activation_bytes_per_token(config, padded_vocab_size, e)
     return ModelCosts(
         num_layers=config.num_layers,
         layer=PartCosts(
             f=(lin + core) * scale,
             b=(lin + 2 * core) * scale,
             w=lin * scale,
-            mem_f=layer_activation_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda) * tokens,
-            mem_b=(
-                layer_weight_grad_bytes_per_token(config, bytes_per_element)
-                - layer_activation_bytes_per_token(config, bytes_per_element, on_cuda=on_cuda)
-            )
-            * tokens,
+            mem_f=layer_bytes * tokens,
+            mem_b=(layer_weight_grad_bytes_per_token(config, e) - layer_bytes) * tokens,
         ),
         embedding=PartCosts(
             f=emb * scale,
             b=0.0,
             w=emb * scale,
-            mem_f=emb_bytes,
-            mem_b=-emb_bytes,  # B frees it all: its W reads the token ids, the microbatch's own input
+            mem_f=emb_bytes * tokens,
+            mem_b=-emb_bytes * tokens,  # B frees it all: its W reads the token ids, the microbatch's own input
         ),
         head=PartCosts(
             f=(head + loss) * scale,
             b=(head + loss) * scale,
             w=head * scale,
-            mem_f=head_activation_bytes_per_token(config, padded_vocab_size, bytes_per_element) * tokens,
-            mem_b=(
-                head_weight_grad_bytes_per_token(config, padded_vocab_size, bytes_per_element)
-                - head_activation_bytes_per_token(config, padded_vocab_size, bytes_per_element)
-            )
-            * tokens,
+            mem_f=head_bytes * tokens,
+            mem_b=(head_weight_grad_bytes_per_token(config, padded_vocab_size, e) - head_bytes) * tokens,
         ),
         recompute=recompute,
     )

@@ -22,9 +22,9 @@ from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Kind, Schedule
 from zb_pipeline.schedule.memory import microbatch_bytes, pending_bytes
+from zb_pipeline.schedule.model_costs import ModelCosts, PartCosts
 from zb_pipeline.schedule.registry import placement_of
 from zb_pipeline.schedule.simulate import simulate
-from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts
 
 PROFILE_VERSION = 1
 # How a profile summarises each stage's samples: the median (the typical cost, to plan with) or the mean (to
@@ -69,7 +69,7 @@ class Profile:
     mem_b_transient: tuple[float, ...] = ()  # held inside a B above the sum before it (recomputation); () = none
     mem_bw_transient: tuple[float, ...] = ()  # the same inside a fused BW; () = mem_b_transient
     stage_layers: tuple[int, ...] = ()  # transformer layers per virtual stage when profiled (() = not recorded)
-    parts: dict[str, Any] | None = None  # per-part costs for the stage planner (stage_planner.ModelCosts.from_dict)
+    parts: dict[str, Any] | None = None  # per-part costs for the stage planner (model_costs.ModelCosts.from_dict)
 
     @property
     def num_stages(self) -> int:

@@ -1,9 +1,9 @@
 """The stage planner: how many transformer layers each (virtual) stage holds, and which stages recompute.
 
-Inputs, per microbatch (``PartCosts``): one transformer layer's F/B/W times and activation memory, the
-embedding's (on the first virtual stage) and the output head with the loss (on the last); the pipeline shape (p, a
-registered schedule, m, chunks); an optional per-rank activation-memory limit; optional recompute options
-(``RecomputeOption``: what recomputing a layer adds to B and what F then keeps -- measured numbers plug in here).
+Inputs: the model's per-part costs per microbatch (``model_costs.ModelCosts``: one transformer layer's F/B/W times
+and activation memory, the embedding's (on the first virtual stage) and the output head with the loss (on the last),
+optional recompute options, ``RecomputeOption``); the pipeline shape (p, a registered schedule, m, chunks); an
+optional per-rank activation-memory limit.  The per-part model's names stay importable from here.
 Output (``StagePlan``): layers and recompute choice per virtual stage that minimise the *simulated* iteration
 (``simulate(...).end_time`` of the registry's plan under the candidate's per-stage costs) among candidates whose
 peak activation memory (``memory.peak_memory``) fits the limit.  Each stage holds at least ``min_layers`` layers.
@@ -13,16 +13,17 @@ option) of the next stage.  A partial candidate is cut when a lower bound alread
 iteration: every rank is busy ``m * (f + b + w)`` of its stages, the stage cannot start before the forward chain
 reaches it, and the work still to place lands on the ranks of the later stages (the busiest of them has at least
 their average); a complete candidate is simulated only if ``bounds.iteration_lower_bound`` is below the best.
-Memory cuts a branch once a rank is over the limit: for a plan that does not depend on costs its peak is exact as
-soon as its stages are fixed (and the stages fixed so far bound it from below -- every stage adds ``>= 0`` at every
-point while ``mem_f >= 0`` and ``mem_f + mem_b >= 0``); for a cost-dependent plan (zb-auto, zb-h2, the V
-schedules) each stage's own microbatch bounds it, and the plan is generated per candidate.  The worst case
+Memory cuts a branch once a rank is over the limit: for a plan that does not depend on costs its peak without the
+recompute transients (which only add) is known as soon as its stages are fixed (and the stages fixed so far bound it
+from below -- every stage adds ``>= 0`` at every point while ``mem_f >= 0`` and ``mem_f + mem_b >= 0``); for a
+cost-dependent plan (zb-auto, zb-h2, the V schedules) each stage's own microbatch bounds it, and the plan is generated
+per candidate.  A complete candidate's peak, transients included, comes from its plan (``order_peak``). The worst case
 enumerates all ``C(L - 1, S - 1) * (R + 1)^S`` candidates (L layers, S virtual stages, R options), each an O(S m)
 simulation; in practice only candidates whose busiest rank is within the bubble of the best are simulated (tens to
-hundreds).  ``max_evaluations`` caps the simulations (5000, or 200 when each generates a plan); a capped search says
-so (``StagePlan.exact`` is False).  Measured on the loaded 2-core development machine: p = 4, 16 layers, m = 8,
-zb-h1: 6-12 simulations, 0.1 s; p = 8, 32 layers, m = 32: 566 simulations, 16 s; zb-v at p = 4 (a plan per
-candidate): 416 plans, 145 s.
+hundreds).  ``max_evaluations`` caps the simulations (5000, or 200 when each generates a plan); a capped search says so
+(``StagePlan.exact`` is False).  Measured on the loaded 2-core development machine: p = 4, 16 layers, m = 8, zb-h1: 6-12
+simulations, 0.1 s; p = 8, 32 layers, m = 32: 566 simulations, 16 s; zb-v at p = 4 (a plan per candidate): 416 plans,
+145 s.
 
 An infeasible memory limit raises ``PlannerError`` naming the smallest limit that works (the same search,
 minimising the peak instead).
@@ -30,20 +31,45 @@ minimising the peak instead).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from zb_pipeline.schedule import registry
 from zb_pipeline.schedule.bounds import iteration_lower_bound
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.ir import Schedule
 from zb_pipeline.schedule.memory import order_peak
+from zb_pipeline.schedule.model_costs import (  # the per-part model, importable from here too
+    NO_RECOMPUTE,
+    ModelCosts,
+    PartCosts,
+    RecomputeOption,
+    StepShare,
+    recompute_rest,
+    run_lengths,
+    runs_transient,
+)
 from zb_pipeline.schedule.simulate import simulate
 
-NO_RECOMPUTE = "none"
+__all__ = [
+    "DEFAULT_EVALUATIONS",
+    "DEFAULT_PLAN_EVALUATIONS",
+    "NO_RECOMPUTE",
+    "ModelCosts",
+    "PartCosts",
+    "PlannerError",
+    "RecomputeOption",
+    "StagePlan",
+    "StepShare",
+    "evaluate_split",
+    "even_split",
+    "plan_stages",
+    "recompute_rest",
+    "run_lengths",
+    "runs_transient",
+    "smallest_mem_limit",
+]
 DEFAULT_EVALUATIONS = 5000  # simulations of a fixed plan (about a millisecond each at p = 8, m = 32 on an idle CPU)
 DEFAULT_PLAN_EVALUATIONS = 200  # candidates of a cost-dependent schedule (each generates a plan)
 
@@ -54,258 +80,6 @@ class PlannerError(ValueError):
     def __init__(self, message: str, *, smallest: float | None = None) -> None:
         super().__init__(message)
         self.smallest = smallest
-
-
-@dataclass(frozen=True)
-class PartCosts:
-    """One part of the model for one microbatch: its F, B, W times and the activation memory F keeps (``mem_f``)
-    and B adds (``mem_b``; W frees ``mem_f + mem_b``)."""
-
-    f: float
-    b: float
-    w: float
-    mem_f: float = 0.0
-    mem_b: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("f", "b", "w"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"part cost {name}={v} must be finite and >= 0")
-        if not (math.isfinite(self.mem_f) and math.isfinite(self.mem_b)):
-            raise ValueError(f"part memory ({self.mem_f}, {self.mem_b}) must be finite")
-        if self.mem_f < 0 or self.mem_f + self.mem_b < 0:
-            raise ValueError(
-                f"part memory mem_f={self.mem_f:g}, mem_b={self.mem_b:g}: F keeps >= 0 and after B at least 0 is held"
-            )
-
-
-@dataclass(frozen=True)
-class RecomputeOption:
-    """What recomputing one transformer layer does: B re-runs (part of) the forward, ``b_extra`` more time; F then
-    keeps ``mem_f`` (the layer's input, ...) and B adds ``mem_b`` (what W needs minus what it freed).  While B
-    recomputes the layer it holds ``transient`` above what F kept of it (the rebuilt graph less what the layer's
-    backward has freed by then); ``transient_bw`` the same inside a fused BW, whose W work runs as it goes
-    (``ModelCosts.stage_transient`` makes a stage's of them).  Whole-layer recompute in runs (Megatron's
-    ``--recompute-method``): ``run`` layers recompute as one unit (uniform; F keeps one ``mem_f`` per run and B
-    rebuilds the run's other layers beside the first's transient; a stage's last run is shorter where ``run`` does
-    not divide its layers, ``run_lengths``); ``block`` > 0 recomputes only a stage's first
-    ``block`` layers (the rest keep their activations)."""
-
-    name: str
-    b_extra: float
-    mem_f: float
-    mem_b: float = 0.0
-    transient: float = 0.0
-    transient_bw: float = 0.0
-    run: int = 1
-    block: int = 0
-
-    def __post_init__(self) -> None:
-        if self.name == NO_RECOMPUTE:
-            raise ValueError(f"recompute option name {NO_RECOMPUTE!r} is reserved for no recompute")
-        PartCosts(f=0.0, b=self.b_extra, w=0.0, mem_f=self.mem_f, mem_b=self.mem_b)  # same checks
-        if not (math.isfinite(self.transient) and math.isfinite(self.transient_bw)):
-            raise ValueError(f"recompute option {self.name!r}: transients must be finite")
-        if self.run < 1 or self.block < 0:
-            raise ValueError(f"recompute option {self.name!r}: run={self.run} must be >= 1 and block={self.block} >= 0")
-
-    def recomputed(self, num_layers: int) -> int:
-        """How many of a stage's ``num_layers`` layers recompute (its first ones)."""
-        return num_layers if self.block == 0 else min(self.block, num_layers)
-
-    def apply(self, layer: PartCosts) -> PartCosts:
-        return PartCosts(f=layer.f, b=layer.b + self.b_extra, w=layer.w, mem_f=self.mem_f, mem_b=self.mem_b)
-
-
-def recompute_rest(*, num_layers: int, swap: float, head: float = 0.0) -> float:
-    """What a recomputing B (or BW) of a stage holds, beyond the first layer's own transient, above the sum before
-    it when that layer recomputes: the head's backward ran first (``head``: what it added, on the last stage), then
-    the layers last to first, each adding ``swap`` (in a B: what waits for its W less what F kept of it; in a BW:
-    less what F kept).  The layers' recomputes are alike, so the first layer's is the highest when ``swap >= 0``,
-    else the last layer's, before any swap."""
-    return max(0.0, (num_layers - 1) * swap) + head
-
-
-def run_lengths(num_layers: int, run: int) -> tuple[int, ...]:
-    """The layers of each run (first to last) when ``num_layers`` layers recompute in runs of ``run`` (Megatron's
-    uniform method): the last run is shorter when ``run`` does not divide them."""
-    return tuple(min(run, num_layers - i) for i in range(0, num_layers, run))
-
-
-def runs_transient(
-    runs: Sequence[int], *, transient: float, rebuilt: float, swap_run: float, swap_layer: float, head: float = 0.0
-) -> float:
-    """``StageCosts.mem_b_transient`` (``mem_bw_transient``) of a stage whose recomputed layers form ``runs`` (each
-    run's layer count, first to last): B runs the head and the layers that keep their activations (``head``: what
-    they add), then the runs last to first; while a run of ``n`` layers recomputes it holds ``transient`` (its first
-    layer's, above what F kept of it) plus its other layers rebuilt (``rebuilt`` each), and when it is done it has
-    added ``swap_run + n * swap_layer`` (in a B: what waits for its W less the one input F kept; in a BW: less that
-    input).  The highest of these points; 0 without runs."""
-    done, top = head, -math.inf
-    for n in reversed(runs):
-        top = max(top, done + transient + (n - 1) * rebuilt)
-        done += swap_run + n * swap_layer
-    return max(0.0, top) if runs else 0.0
-
-
-@dataclass(frozen=True)
-class StepShare:
-    """Each part's share of its rank's work between iterations (the optimizer step over the parameters it holds):
-    per embedding, per transformer layer, per head.  Every rank starts that work at the pipeline's end (the
-    tied-embedding gradient sum synchronises them), so the iteration waits for the rank with the most
-    (``largest_rank``)."""
-
-    embedding: float = 0.0
-    layer: float = 0.0
-    head: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("embedding", "layer", "head"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"step share {name}={v} must be finite and >= 0")
-
-    def largest_rank(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
-        """The largest rank's share under the split ``layers`` (per virtual stage) placed by ``stage_to_rank``."""
-        S = len(layers)
-        per_rank: dict[int, float] = {}
-        for s, n in enumerate(layers):
-            own = n * self.layer + (self.embedding if s == 0 else 0.0) + (self.head if s == S - 1 else 0.0)
-            per_rank[stage_to_rank[s]] = per_rank.get(stage_to_rank[s], 0.0) + own
-        return max(per_rank.values(), default=0.0)
-
-
-@dataclass(frozen=True)
-class ModelCosts:
-    """The planner's view of a model: ``num_layers`` identical transformer layers, the embedding, the head+loss."""
-
-    num_layers: int
-    layer: PartCosts
-    embedding: PartCosts
-    head: PartCosts
-    comm: float = 0.0  # time added to every cross-rank hand-off
-    recompute: tuple[RecomputeOption, ...] = ()  # options each stage may take besides no recompute
-    # Time every virtual stage's F, B and W takes beyond its parts (the runtime's work per action); memory unused.
-    overhead: PartCosts = PartCosts(f=0.0, b=0.0, w=0.0)
-    # time per iteration outside the pipeline's actions (optimizer step, iteration boundary): ``step`` on every
-    # split plus the largest rank's ``step_share`` (``step_time``)
-    step: float = 0.0
-    step_share: StepShare = StepShare()
-    # Every stage takes ``recompute[0]`` (an explicit recompute, e.g. Megatron's --recompute-granularity full): the
-    # planner chooses the split only, "none" is no candidate.
-    fixed_recompute: bool = False
-
-    def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers={self.num_layers} must be >= 1")
-        if not (math.isfinite(self.comm) and self.comm >= 0):
-            raise ValueError(f"communication cost {self.comm} must be finite and >= 0")
-        if not (math.isfinite(self.step) and self.step >= 0):
-            raise ValueError(f"time per iteration outside the pipeline {self.step} must be finite and >= 0")
-        names = [o.name for o in self.recompute]
-        if len(set(names)) != len(names):
-            raise ValueError(f"recompute option names repeat: {names}")
-        if self.fixed_recompute and len(self.recompute) != 1:
-            raise ValueError(f"a fixed recompute needs exactly one recompute option, got {names}")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> ModelCosts:
-        """From a profile's ``parts`` entry: ``{"num_layers": L, "layer": {f, b, w, mem_f, mem_b}, "embedding": ...,
-        "head": ..., "comm": C, "recompute": [{name, b_extra, mem_f, mem_b}, ...], "overhead": {f, b, w},
-        "step": T, "step_share": {embedding, layer, head}}`` (the last three optional)."""
-        if not isinstance(d, dict):
-            raise ValueError("model parts must be a JSON object with num_layers, layer, embedding and head")
-        try:
-            parts = {k: PartCosts(**d[k]) for k in ("layer", "embedding", "head")}
-            rec = tuple(RecomputeOption(**o) for o in d.get("recompute", ()))
-            over = PartCosts(**d.get("overhead", {"f": 0.0, "b": 0.0, "w": 0.0}))
-            return cls(
-                num_layers=int(d["num_layers"]),
-                comm=float(d.get("comm", 0.0)),
-                recompute=rec,
-                overhead=over,
-                step=float(d.get("step", 0.0)),
-                step_share=StepShare(**d.get("step_share", {})),
-                fixed_recompute=bool(d.get("fixed_recompute", False)),
-                **parts,
-            )
-        except KeyError as err:
-            raise ValueError(f"model parts lack {err}: give num_layers, layer, embedding and head") from None
-        except TypeError as err:
-            raise ValueError(f"model parts: {err}") from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def step_time(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
-        """The time between iterations of the split ``layers`` placed by ``stage_to_rank``: the fixed ``step`` plus
-        the largest rank's optimizer share (``StepShare.largest_rank``)."""
-        return self.step + self.step_share.largest_rank(layers, stage_to_rank)
-
-    def option_names(self) -> tuple[str, ...]:
-        return (NO_RECOMPUTE,) + tuple(o.name for o in self.recompute)
-
-    def stage_part(self, num_layers: int, option: int, *, first: bool, last: bool) -> PartCosts:
-        """One virtual stage: ``num_layers`` layers under option ``option`` (0 = none), plus the embedding/head and
-        the per-action overhead."""
-        k, kept = 0, 0.0  # layers that recompute; what their runs' F keeps beyond one input per run
-        layers = [(num_layers, self.layer)]
-        if option:
-            o = self.recompute[option - 1]
-            k = o.recomputed(num_layers)
-            layers = [(num_layers - k, self.layer), (k, o.apply(self.layer))]
-            kept = (k - len(run_lengths(k, o.run))) * o.mem_f  # uniform runs: one input per run, not per layer
-        parts = [*layers, (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
-        return PartCosts(
-            f=sum(n * q.f for n, q in parts),
-            b=sum(n * q.b for n, q in parts),
-            w=sum(n * q.w for n, q in parts),
-            mem_f=sum(n * q.mem_f for n, q in parts) - kept,
-            mem_b=sum(n * q.mem_b for n, q in parts) + kept,
-        )
-
-    def stage_costs(self, layers: Sequence[int], options: Sequence[int]) -> StageCosts:
-        """``StageCosts`` of a candidate: ``layers[s]`` layers and option ``options[s]`` on virtual stage ``s``."""
-        S = len(layers)
-        parts = [self.stage_part(n, o, first=s == 0, last=s == S - 1) for s, (n, o) in enumerate(zip(layers, options))]
-        tiny = 1e-12 * max(1.0, max(q.f + q.b + q.w for q in parts))  # StageCosts needs > 0 (an empty stage)
-        return StageCosts(
-            f=tuple(max(q.f, tiny) for q in parts),
-            b=tuple(max(q.b, tiny) for q in parts),
-            w=tuple(max(q.w, tiny) for q in parts),
-            comm=self.comm,
-            mem_f=tuple(q.mem_f for q in parts),
-            mem_b=tuple(q.mem_b for q in parts),
-            mem_w=tuple(-(q.mem_f + q.mem_b) for q in parts),
-            mem_b_transient=tuple(
-                self.stage_transient(n, o, last=s == S - 1) for s, (n, o) in enumerate(zip(layers, options))
-            ),
-            mem_bw_transient=tuple(
-                self.stage_transient(n, o, last=s == S - 1, fused=True) for s, (n, o) in enumerate(zip(layers, options))
-            ),
-        )
-
-    def stage_transient(self, num_layers: int, option: int, *, last: bool, fused: bool = False) -> float:
-        """What a B (``fused``: a BW) of a virtual stage with ``num_layers`` layers under option ``option`` (0 =
-        none: nothing) holds above the sum before it while it recomputes (``runs_transient``): in a B each run
-        swaps the input F kept for what waits for its layers' W, and the head adds its ``mem_b``; in a BW they free
-        all."""
-        if option == 0:
-            return 0.0
-        o = self.recompute[option - 1]
-        k = o.recomputed(num_layers)
-        runs = run_lengths(k, o.run)  # uniform: the last run is shorter when the run does not divide the layers
-        if fused:  # a BW frees what it holds as it goes: a run frees the one input F kept of it
-            head = (-self.head.mem_f if last else 0.0) - (num_layers - k) * self.layer.mem_f
-            return runs_transient(
-                runs, transient=o.transient_bw, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=0.0, head=head
-            )
-        head = (self.head.mem_b if last else 0.0) + (num_layers - k) * self.layer.mem_b
-        held = o.mem_f + o.mem_b  # what a layer's deferred W waits on after B
-        return runs_transient(
-            runs, transient=o.transient, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=held, head=head
-        )
 
 
 @dataclass(frozen=True)
