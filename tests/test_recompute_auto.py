@@ -140,7 +140,7 @@ def test_named_smallest_limit_works() -> None:
     assert max(run.pipeline_layout.split_plan.peak_memory) <= float(named) * GIB
 
 
-# -- the profiling window's re-decision (megatron.pipeline.part_timer, layer_split.measured_layer_split) -----------
+# -- the profiling window's re-decision (megatron.pipeline.part_costs, layer_split.measured_layer_split) -----------
 KT, KM = 3.0, 1.25  # the "measured" costs: the analytic ones in ms (x KT per GFLOP) and bytes x KM
 
 
@@ -191,13 +191,13 @@ def _window_profile(true, layers: tuple[int, ...], choice: tuple[str, ...]):
 
 @pytest.mark.parametrize("choice", [("full", "none"), ("none", "selective"), ("selective", "none"), ("none", "none")])
 def test_window_measures_every_option_whatever_the_stages_ran(choice) -> None:
-    """The window's model (``part_timer`` docstring): a recompute option's extra B is its share of the measured layer
+    """The window's model (``part_costs`` docstring): a recompute option's extra B is its share of the measured layer
     forward and what F keeps is its analytic bytes times the layer's calibration factor, with each stage calibrated
     under the choice it ran.  When the measured costs are the analytic ones scaled (times by KT, bytes by KM), the
     parts and options derived from a window that ran ``choice`` are exactly those costs."""
     import dataclasses
 
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.schedule.stage_planner import ModelCosts
 
     mc = _costs()
@@ -237,7 +237,7 @@ def test_window_decision_is_the_fastest_candidate_within_the_limit(where) -> Non
     import dataclasses
 
     from megatron.pipeline.layer_split import measured_layer_split
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
 
     mc = _costs()
     true = _true_costs(mc)

@@ -278,7 +278,7 @@ def test_planner_part_model_predicts_the_measured_peak(profiles) -> None:
 
 @pytest.mark.parametrize("ran", ["none", "full", "selective"])
 def test_one_window_predicts_the_memory_of_every_recompute_choice(profiles, ran) -> None:
-    """The profiling window's memory model for ``--recompute-granularity auto`` (``megatron.pipeline.part_timer``):
+    """The profiling window's memory model for ``--recompute-granularity auto`` (``megatron.pipeline.part_costs``):
     from one window whose stages ran ``ran``, what F keeps under every other choice is that choice's analytic bytes
     times the layer's calibration factor, and after B every choice holds what the layer without recompute holds.
     Checked against the saved-tensor bytes measured with each choice (ZB-H1, both stages): what F keeps and what
@@ -287,7 +287,7 @@ def test_one_window_predicts_the_memory_of_every_recompute_choice(profiles, ran)
     import dataclasses
 
     from megatron.model.cost_model import model_costs, recompute_options
-    from megatron.pipeline.part_timer import combine_parts
+    from megatron.pipeline.part_costs import combine_parts
     from zb_pipeline.schedule.memory import peak_memory
     from zb_pipeline.schedule.stage_planner import ModelCosts
 

@@ -39,7 +39,7 @@ from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.profile import Profile
 from zb_pipeline.schedule.stage_planner import ModelCosts
 
-__all__ = ["PartTimer", "combine_parts", "parameter_counts", "recomputes"]
+__all__ = ["PartTimer", "parameter_counts", "recomputes"]
 
 
 class PartTimer:
