@@ -42,7 +42,7 @@ from megatron.data.document_masks import tokenizer_given
 from megatron.flag_table import KNOWN_IGNORED_FLAGS, FlagTable, build_parser
 from megatron.kernels.select import KernelSelection, resolve_kernels
 from megatron.model.config import GPTConfig, padded_vocab_size
-from megatron.pipeline.layer_split import auto_layer_split, memory_limit_bytes, planner_recompute, wants_auto_split
+from megatron.pipeline.layer_split import auto_layer_split, memory_limit_bytes, wants_auto_split
 from megatron.pipeline.layout import PipelineLayout, pipeline_layout
 from megatron.pipeline.schedule_flags import ScheduleConfig
 from megatron.tokenizer.build import model_vocab_size
@@ -456,16 +456,9 @@ def apply_layer_split(run: RunConfig) -> RunConfig:
         micro_batch_size=run.training.micro_batch_size,
         num_microbatches=run.num_microbatches,
         bytes_per_element=bytes_per_element,
-        recompute=planner_recompute(
-            run.model,
-            run.recompute,
-            micro_batch_size=run.training.micro_batch_size,
-            bytes_per_element=bytes_per_element,
-            on_cuda=on_cuda,
-        ),
+        recompute=run.recompute,  # an explicit one is planned in force (layer_split.planner_costs)
         mem_limit=memory_limit_bytes(run.parallel),
         on_cuda=on_cuda,
-        fixed_recompute=run.recompute.enabled and not run.recompute.auto,  # explicit: planned with it in force
     )
     recompute = run.recompute
     if recompute.auto:  # --recompute-granularity auto: the planner's choice per virtual stage

@@ -120,7 +120,6 @@ def _pretrain(
     _startup_summary(tr, logger, flops_per_iter)
     if ckpt.load:
         load_checkpoint(tr, log=logger.print)
-    tr.replanner = attach_replanner(tr.pipeline, run, tr.ctx, logger.print, step_ms=lambda: tr.optimizer.last_step_ms)
     signals = ExitSignalHandler() if ckpt.exit_signal_handler else nullcontext()
     collector = ManualGC(t.manual_gc_interval, t.manual_gc_eval) if t.manual_gc else None
     if collector is not None:
@@ -305,6 +304,8 @@ def _train_loop(
 ) -> tuple[TrainSummary, Trainer]:
     """The iterations; returns the summary and the trainer they ended with (a re-split replaces it)."""
     run, t, ckpt = tr.run, tr.run.training, tr.run.checkpoint
+    # step_ms reads this loop's ``tr``: the trainer in force, also after a re-split replaced it
+    tr.replanner = attach_replanner(tr.pipeline, run, tr.ctx, logger.print, step_ms=lambda: tr.optimizer.last_step_ms)
     validation: list[tuple[int, float]] = []
     window = _LogWindow()
     run_start = time.time()

@@ -75,15 +75,21 @@ def test_limit_the_measured_memory_exceeds_exits_2_at_the_window_end() -> None:
 
     with pytest.raises(ConfigError, match="the smallest limit that works is 0.000180722 GiB"):
         parse_run_config(ARGV, world_size=2)  # the exact analytic model refuses the limit at start-up
+    tiny = [str(LIMIT_GB / 2) if a == str(LIMIT_GB) else a for a in ARGV]
     with _analytic_underestimates():
         parse_run_config(ARGV, world_size=2)  # the underestimating one accepts it
+        with pytest.raises(ConfigError) as info:
+            parse_run_config(tiny, world_size=2)  # and refuses a limit below its smallest, naming that one
+    assert len(str(info.value).splitlines()) == 1, info.value
+    assert f"the smallest limit that works is {ANALYTIC_SMALLEST_GB} GiB" in str(info.value), info.value
+    assert LIMIT_GB > ANALYTIC_SMALLEST_GB  # so the run below starts: only the measured memory refuses the limit
     (code0, err0, out0), (code1, err1, _) = run_multiprocess(_main, 2, args=(ARGV,), timeout_s=120)
     assert (code0, code1) == (2, 2), (err0, err1)
     lines = err0.splitlines()
     assert len(lines) == 1, err0
     m = LINE.match(lines[0])
     assert m, lines[0]
-    assert float(m["need"]) > LIMIT_GB > ANALYTIC_SMALLEST_GB, lines[0]
+    assert float(m["need"]) > LIMIT_GB, lines[0]
     assert err1 == "", err1  # bad input: the line comes from rank 0 only
     assert "replanned zb-h1" in out0  # it failed at the end of the window (iteration 0), not at start-up
     assert " iteration        1/" not in out0  # and went no further

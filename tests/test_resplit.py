@@ -375,8 +375,12 @@ def _through_json(parts: dict, profile) -> bool:
     import json
 
     from zb_pipeline.schedule.profile import Profile
+    from zb_pipeline.schedule.stage_planner import ModelCosts
 
+    mc = ModelCosts.from_dict(parts)
+    assert ModelCosts.from_dict(json.loads(json.dumps(mc.to_dict()))) == mc  # every field survives its own dict
     again = Profile.from_dict(json.loads(json.dumps(dataclasses.replace(profile, parts=parts).to_dict())))
+    assert again.model_costs() == mc  # and the profile file's
     return again.model_costs().head.w == 4.0
 
 

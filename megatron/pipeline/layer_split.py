@@ -49,28 +49,26 @@ def auto_layer_split(
     micro_batch_size: int,
     num_microbatches: int,
     bytes_per_element: int,
-    recompute: tuple[RecomputeOption, ...] = (),
+    recompute: RecomputeConfig,
     mem_limit: float | None = None,
     on_cuda: bool = False,
-    fixed_recompute: bool = False,
 ) -> PipelineLayout:
     """``layout`` with the stage planner's split under the analytic cost model (``ConfigError`` if none serves);
-    ``recompute``: the options a stage may take (``fixed_recompute``: the one every stage takes, an explicit
-    ``--recompute-granularity``); ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a GPU (the
-    analytic activation bytes follow its kernels)."""
+    ``recompute``: the run's recompute (``planner_costs``: the options a stage may take, or the one every stage
+    takes); ``mem_limit``: bytes per rank; ``on_cuda``: the stages run on a GPU (the analytic activation bytes
+    follow its kernels)."""
     if schedule_file is not None:
         raise ConfigError(
             "--pipeline-layer-split auto plans for a registered --pipeline-schedule, not a --schedule-file; drop one"
         )
-    costs = model_costs(
+    costs = planner_costs(
         model,
+        recompute,
         padded_vocab_size=padded_vocab_size,
         micro_batch_size=micro_batch_size,
         bytes_per_element=bytes_per_element,
-        recompute=recompute,
         on_cuda=on_cuda,
     )
-    costs = dataclasses.replace(costs, fixed_recompute=fixed_recompute)
     shape = dict(
         schedule=schedule, num_ranks=layout.schedule.num_ranks, num_microbatches=num_microbatches, chunks=layout.chunks
     )
@@ -79,8 +77,9 @@ def auto_layer_split(
     except PlannerError as err:
         if err.smallest is None:
             raise ConfigError(f"--pipeline-layer-split auto: {str(err).splitlines()[0]}") from None
-        what = "layer split or recompute choice" if recompute and not fixed_recompute else "layer split"
-        hint = "" if recompute and not fixed_recompute else "; or let stages recompute: --recompute-granularity auto"
+        chooses = bool(costs.recompute) and not costs.fixed_recompute  # auto: each stage's recompute is planned
+        what = "layer split or recompute choice" if chooses else "layer split"
+        hint = "" if chooses else "; or let stages recompute: --recompute-granularity auto"
         raise ConfigError(
             f"--pipeline-memory-limit-gb {mem_limit / GIB:g}: no {what} fits it with {schedule} by the analytic "
             f"model; the smallest limit that works is {_ceil_gib(err.smallest)} GiB{hint}"
@@ -106,6 +105,31 @@ def planner_recompute(
         model, granularity=recompute.granularity, method=recompute.method, num_layers=recompute.num_layers, **shape
     )
     return (option,)
+
+
+def planner_costs(
+    model: GPTConfig,
+    recompute: RecomputeConfig,
+    *,
+    padded_vocab_size: int,
+    micro_batch_size: int,
+    bytes_per_element: int,
+    on_cuda: bool,
+) -> ModelCosts:
+    """The analytic model the stage planner plans with: ``planner_recompute``'s options, and an explicit recompute
+    (not auto) fixed on every stage (``ModelCosts.fixed_recompute``)."""
+    options = planner_recompute(
+        model, recompute, micro_batch_size=micro_batch_size, bytes_per_element=bytes_per_element, on_cuda=on_cuda
+    )
+    costs = model_costs(
+        model,
+        padded_vocab_size=padded_vocab_size,
+        micro_batch_size=micro_batch_size,
+        bytes_per_element=bytes_per_element,
+        recompute=options,
+        on_cuda=on_cuda,
+    )
+    return dataclasses.replace(costs, fixed_recompute=bool(options) and not recompute.auto)
 
 
 def plans_within_bytes(schedule: str) -> bool:

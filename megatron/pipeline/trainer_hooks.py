@@ -41,7 +41,6 @@ from megatron.data.loader import train_microbatches
 from megatron.deferred_loss import PendingLoss
 from megatron.microbatches import load_microbatch, mean_over_dp, microbatch_indices
 from megatron.model.config import GPTConfig
-from megatron.model.cost_model import model_costs
 from megatron.parallel.context import ParallelContext
 from megatron.parallel.tensor_parallel.partitioning import allreduce_sequence_parallel_grads
 from megatron.pipeline.forward_backward import GPTPipeline, build_gpt_pipeline
@@ -51,7 +50,7 @@ from megatron.pipeline.layer_split import (
     measured_layer_split,
     measured_limit_error,
     memory_limit_bytes,
-    planner_recompute,
+    planner_costs,
     plans_within_bytes,
 )
 from megatron.pipeline.part_timer import PartTimer
@@ -317,25 +316,21 @@ def _measure_split(
         )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"
-    options = planner_recompute(
+    analytic = planner_costs(  # an explicit recompute: its one option on every stage, kept
         run.model,
         run.recompute,
-        micro_batch_size=run.training.micro_batch_size,
-        bytes_per_element=bytes_per_element,
-        on_cuda=on_cuda,
-    )
-    analytic = model_costs(
-        run.model,
         padded_vocab_size=run.padded_vocab_size,
         micro_batch_size=run.training.micro_batch_size,
         bytes_per_element=bytes_per_element,
-        recompute=options,
         on_cuda=on_cuda,
     )
-    explicit = bool(options) and not auto  # an explicit recompute: its one option on every stage, kept
-    analytic = dataclasses.replace(analytic, fixed_recompute=explicit)
     chosen = run.recompute.choices(layout.layer_ranges) if auto else None  # in force in the window, per stage
-    in_force = chosen if auto else (options[0].name,) * len(layout.layer_ranges) if explicit else ()
+    if auto:
+        in_force = chosen
+    elif analytic.fixed_recompute:
+        in_force = (analytic.recompute[0].name,) * len(layout.layer_ranges)
+    else:
+        in_force = ()
 
     def parts(profile: Profile) -> dict[str, Any] | None:
         if timer is None:
