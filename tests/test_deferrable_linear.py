@@ -143,6 +143,36 @@ def test_b_then_w_equals_full_backward(layer: str, main_grad: bool) -> None:
         torch.testing.assert_close(plain_w[name], full_w[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_parallel_tp1_one_node_equals_linear_then_bias_add(dtype: torch.dtype) -> None:
+    """At tp = 1 a row-parallel layer adds its bias inside the linear's node (``separate_bias``): outputs and
+    gradients bit-identical to the two-node form (linear, then ``deferrable_bias_add``) it replaces, full
+    backward and B then W, with and without ``main_grad``."""
+
+    class _TwoNodes(RowParallelLinear):
+        def forward(self, x):
+            y = deferrable_linear(x, self.weight, None, self.weight_grad_store)
+            return deferrable_bias_add(y, self.bias, self.weight_grad_store)
+
+    one, two = RowParallelLinear(24, 12, tp=TP1), _TwoNodes(24, 12, tp=TP1)
+    _fill(one)
+    two.load_state_dict(one.state_dict())
+    one, two = one.to(dtype), two.to(dtype)
+    make = _float_input((7, 3, 24))
+
+    def make_input(mb):
+        return make(mb).detach().to(dtype).requires_grad_()
+
+    for defer in (False, True):
+        for main_grad in (False, True):
+            got = [_run(m, make_input, store=WeightGradStore(), defer=defer, main_grad=main_grad) for m in (one, two)]
+            (in1, w1), (in2, w2) = got
+            assert all(torch.equal(a, b) for a, b in zip(in1, in2))
+            assert all(torch.equal(w1[n], w2[n]) for n in w1), (defer, main_grad)
+    x = make_input(0)
+    assert torch.equal(one(x), two(x))
+
+
 def test_plain_mode_matches_torch_linear() -> None:
     lin = DeferrableLinear(8, 12)
     ref = torch.nn.Linear(8, 12)
@@ -320,7 +350,7 @@ def test_direct_apply_matches_function_apply_and_keeps_the_full_path_under_funct
     runs = []
     for apply in (dl._linear_apply, dl._DeferrableLinear.apply):
         x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
-        y = apply(x, w, b, WeightGradStore(), None)
+        y = apply(x, w, b, WeightGradStore(), None, False)
         dl.deferrable_bias_add(y, b, None).square().sum().backward()
         runs.append([y.detach(), x.grad, w.grad, b.grad])
     assert all(torch.equal(a, b) for a, b in zip(*runs))

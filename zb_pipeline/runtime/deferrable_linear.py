@@ -121,46 +121,52 @@ def _direct_apply(fn: type[torch.autograd.Function]) -> Callable[..., torch.Tens
 
 class _DeferrableLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, store, wgrad_fn):  # x: [..., in], weight: [out, in], bias: [out] | None
+    def forward(ctx, x, weight, bias, store, wgrad_fn, separate_bias):
+        # x: [..., in], weight: [out, in], bias: [out] | None
         ctx.save_for_backward(x, weight)
-        ctx.store, ctx.wgrad_fn = store, wgrad_fn
-        ctx.bias_ref = bias  # only the target of accumulation, never read by the math
-        ctx.has_bias = bias is not None
+        ctx.bias, ctx.store, ctx.wgrad_fn = bias, store, wgrad_fn  # the bias: only the target of accumulation
+        if separate_bias and bias is not None:  # (x W^T) + b as two kernels, not addmm's fused bias
+            y = F.linear(x, weight)
+            return y.add_(bias) if y.dtype == bias.dtype else y + bias
         return F.linear(x, weight, bias)  # [..., out]
 
     @staticmethod
     def backward(ctx, grad_y):  # grad_y: [..., out]
         x, weight = ctx.saved_tensors
-        store: WeightGradStore | None = ctx.store
-        need_x, need_w, need_b = (
-            ctx.needs_input_grad[0],
-            ctx.needs_input_grad[1],
-            ctx.has_bias and ctx.needs_input_grad[2],
-        )
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # need_b is False without a bias
         grad_x = grad_y.matmul(weight) if need_x else None  # [..., in]
         if not (need_w or need_b):
-            return grad_x, None, None, None, None
+            return grad_x, None, None, None, None, None
+        store: WeightGradStore | None = ctx.store
         grad_y2d = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
         if _weight_grad_goes_to_autograd(store, weight):
             grad_w = grad_y2d.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
             grad_b = grad_y2d.sum(0) if need_b else None
-            return grad_x, grad_w, grad_b, None, None
-        bias, wgrad_fn = ctx.bias_ref, ctx.wgrad_fn
+            return grad_x, grad_w, grad_b, None, None, None
+        w_target, b_target, wgrad_fn = weight if need_w else None, ctx.bias if need_b else None, ctx.wgrad_fn
         if store is None or not store.deferring:  # BW: now, without building the W closure
-            if need_w:
-                _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]), wgrad_fn)
-            if need_b:
-                accumulate_grad(bias, grad_y2d.sum(0))
-            return grad_x, None, None, None, None
+            _linear_weight_grads(w_target, b_target, grad_y2d, x, wgrad_fn)
+        else:
 
-        def weight_grad_work() -> None:
-            if need_w:
-                _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]), wgrad_fn)
-            if need_b:
-                accumulate_grad(bias, grad_y2d.sum(0))
+            def weight_grad_work() -> None:
+                _linear_weight_grads(w_target, b_target, grad_y2d, x, wgrad_fn)
 
-        store.submit(weight_grad_work)
-        return grad_x, None, None, None, None
+            store.submit(weight_grad_work)
+        return grad_x, None, None, None, None, None
+
+
+def _linear_weight_grads(
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grad_y2d: torch.Tensor,
+    x: torch.Tensor,
+    wgrad_fn: WeightGradFn | None,
+) -> None:
+    """A linear's W: ``weight``'s grad += grad_y^T @ x and ``bias``'s += sum(grad_y) (``None``: not wanted)."""
+    if weight is not None:
+        _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]), wgrad_fn)
+    if bias is not None:
+        accumulate_grad(bias, grad_y2d.sum(0))
 
 
 def deferrable_linear(
@@ -170,10 +176,15 @@ def deferrable_linear(
     store: WeightGradStore | None = None,
     *,
     wgrad_fn: WeightGradFn | None = None,
+    separate_bias: bool = False,
 ) -> torch.Tensor:
     """``y = x @ weight^T + bias`` whose weight/bias gradients may be deferred to W (see module docstring);
-    ``wgrad_fn`` computes the weight gradient into ``main_grad`` when the weight has one."""
-    return _linear_apply(x, weight, bias, store, wgrad_fn)
+    ``wgrad_fn`` computes the weight gradient into ``main_grad`` when the weight has one.
+
+    ``separate_bias=True`` adds the bias after the product, as ``deferrable_bias_add`` on the output would (the
+    same kernels and bits, e.g. a row-parallel layer's bias when its reduction is the identity), in this one
+    autograd node instead of two."""
+    return _linear_apply(x, weight, bias, store, wgrad_fn, separate_bias)
 
 
 class _DeferrableBiasAdd(torch.autograd.Function):

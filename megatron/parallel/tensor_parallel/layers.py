@@ -134,15 +134,16 @@ class RowParallelLinear(torch.nn.Module):
         self.wgrad_fn: WeightGradFn | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [s, b, in/tp]
-        y = deferrable_linear(
-            x, self.weight, None, self.weight_grad_store, wgrad_fn=self.wgrad_fn
-        )  # partial [s, b, out]
+        store, wgrad_fn = self.weight_grad_store, self.wgrad_fn
+        if self.tp.tp_size == 1:  # no reduction: the bias add joins the linear's autograd node (same kernels)
+            return deferrable_linear(x, self.weight, self.bias, store, wgrad_fn=wgrad_fn, separate_bias=True)
+        y = deferrable_linear(x, self.weight, None, store, wgrad_fn=wgrad_fn)  # partial [s, b, out]
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.tp)  # [s/tp, b, out]
         else:
             y = reduce_from_tp(y, self.tp)  # [s, b, out]
         if self.bias is not None:
-            y = deferrable_bias_add(y, self.bias, self.weight_grad_store)
+            y = deferrable_bias_add(y, self.bias, store)
         return y
 
     def extra_repr(self) -> str:
