@@ -26,7 +26,7 @@ from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.memory import peak_memory
 from zb_pipeline.schedule.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
-from zb_pipeline.schedule.profile import Profile, mem_limit_for_microbatches, predict_makespan
+from zb_pipeline.schedule.profile import Profile, fuses_backward, mem_limit_for_microbatches, predict_makespan
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
 from zb_pipeline.testing import run_multiprocess
@@ -188,6 +188,20 @@ def test_profile_without_split_backward_says_what_to_do() -> None:
     # ... but a plan that fuses its backward too can be simulated from it: the whole BW counts as B.
     fused = prof.to_stage_costs(fused=True)
     assert fused.f == prof.f and all(fused.bw(s) == pytest.approx(prof.bw[s]) for s in range(4))
+
+
+def test_a_stage_that_ran_only_fused_bw_is_split_in_the_others_ratio() -> None:
+    """A memory-capped plan (zb-auto under a tight limit) may run every backward of one stage fused: that stage's
+    BW is shared in the B : W ratio the other stages measured (their median share of B), so a split plan can still
+    be made from the window; the window's re-plan of zb-auto goes through."""
+    # B's shares of B + W on stages 1-3: 2.5/3.5, 3.5/5, 4.5/6.5 -> median 0.7.
+    prof = _profile(b=(None, 2.5, 3.5, 4.5), w=(None, 1.0, 1.5, 2.0), bw=(4.0, None, None, None))
+    assert prof.splits_backward
+    costs = prof.to_stage_costs()
+    assert costs.b[0] == pytest.approx(2.8) and costs.w[0] == pytest.approx(1.2)
+    assert costs.b[1:] == prof.b[1:] and costs.w[1:] == prof.w[1:]
+    replan = regenerate(prof, 8, name="zb-auto")
+    assert not fuses_backward(replan.schedule) and replan.result.makespan > 0
 
 
 def test_overhead_is_paid_once_per_compute_action() -> None:

@@ -77,18 +77,30 @@ class Profile:
 
     @property
     def splits_backward(self) -> bool:
-        """Whether every stage has separate B and W times (else some ran fused ``BW`` only)."""
-        return all(b is not None and w is not None for b, w in zip(self.b, self.w))
+        """Whether B and W can be planned apart: some stage has separate B and W times (a stage that ran fused
+        ``BW`` only is split in their ratio, ``_split``)."""
+        return self._b_share() is not None
+
+    def _b_share(self) -> float | None:
+        """B's share of B + W, the median over the stages that ran them apart (``None``: none did)."""
+        shares = sorted(b / (b + w) for b, w in zip(self.b, self.w) if b is not None and w is not None and b + w > 0)
+        if not shares:
+            return None
+        mid = len(shares) // 2
+        return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
 
     # -- costs ------------------------------------------------------------------------------------------------
     def _split(self, s: int, *, fused: bool = False) -> tuple[float, float]:
         """(B, W) of stage ``s``; ``fused=True`` lets a stage that only ran ``BW`` count its whole backward as B (W
-        about 0) -- right for simulating a plan that fuses it too, wrong for planning a split one."""
-        b, w = self.b[s], self.w[s]
+        about 0) -- right for simulating a plan that fuses it too.  Else such a stage's BW is shared in the B : W
+        ratio the other stages measured (a memory-capped plan may run every backward of a stage fused)."""
+        b, w, bw = self.b[s], self.w[s], self.bw[s]
         if b is not None and w is not None:
             return b, w
-        if fused and self.bw[s] is not None:
-            return self.bw[s], _MIN_COST_MS
+        if bw is not None and fused:
+            return bw, _MIN_COST_MS
+        if bw is not None and (share := self._b_share()) is not None:
+            return max(bw * share, _MIN_COST_MS), max(bw * (1.0 - share), _MIN_COST_MS)
         raise ValueError(
             f"profile of {self.schedule!r} has no separate B and W times for stage {s} (it ran fused BW); "
             "profile a split-backward schedule such as zb-h1"
