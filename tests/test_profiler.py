@@ -25,6 +25,7 @@ from zb_pipeline.schedule import cli
 from zb_pipeline.schedule.costs import StageCosts
 from zb_pipeline.schedule.lowering import lower
 from zb_pipeline.schedule.memory import peak_memory
+from zb_pipeline.schedule.model_costs import ModelCosts, PartCosts
 from zb_pipeline.schedule.plan_file import load_plan, plan_from_dict, plan_to_dict, save_plan
 from zb_pipeline.schedule.profile import Profile, fuses_backward, mem_limit_for_microbatches, predict_makespan
 from zb_pipeline.schedule.registry import generate
@@ -201,6 +202,17 @@ def test_a_stage_that_ran_only_fused_bw_is_split_in_the_others_ratio() -> None:
     assert costs.b[0] == pytest.approx(2.8) and costs.w[0] == pytest.approx(1.2)
     assert costs.b[1:] == prof.b[1:] and costs.w[1:] == prof.w[1:]
     replan = regenerate(prof, 8, name="zb-auto")
+    assert not fuses_backward(replan.schedule) and replan.result.makespan > 0
+    # Every stage fused (a plan capped to fuse them all): the per-part model's layer gives the ratio, when present.
+    parts = ModelCosts(
+        num_layers=4, layer=PartCosts(f=1.0, b=1.0, w=0.5), embedding=PartCosts(f=0.1, b=0.1, w=0.05),
+        head=PartCosts(f=2.0, b=2.0, w=1.0),
+    ).to_dict()  # fmt: skip
+    every = _profile(b=(None,) * 4, w=(None,) * 4, bw=(3.0, 4.5, 6.0, 7.5), parts=parts)
+    assert not every.splits_backward
+    costs = every.to_stage_costs()
+    assert costs.b == pytest.approx((2.0, 3.0, 4.0, 5.0)) and costs.w == pytest.approx((1.0, 1.5, 2.0, 2.5))
+    replan = regenerate(every, 8, name="zb-auto")
     assert not fuses_backward(replan.schedule) and replan.result.makespan > 0
 
 

@@ -89,12 +89,14 @@ def regenerate(
 
     A profile of fused ``BW`` only (a 1F1B-like run) plans a schedule that fuses its backward too from the
     measured BW (``Profile.to_stage_costs(fused=True)``); a plan that splits B and W on a stage profiled fused
-    needs the split times (``ValueError`` naming the profile to take)."""
+    needs their ratio: from the stages that ran them apart or the per-part model (``Profile._split``), else a
+    ``ValueError`` naming the profile to take."""
     fused = not profile.splits_backward
     c, costs = costs_for(profile, name, chunks=chunks, fused=fused)
     sched = registry.generate(name, profile.num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
-    if fused and not fuses_backward(sched):
-        costs_for(profile, name, chunks=chunks)  # raises its ValueError: B and W apart were not measured
+    if fused and not fuses_backward(sched):  # B and W apart from the per-part model, else its ValueError
+        c, costs = costs_for(profile, name, chunks=chunks)
+        sched = registry.generate(name, profile.num_ranks, num_microbatches, chunks=c, costs=costs, mem_limit=mem_limit)
     return Replan(sched, costs, simulate(sched, costs), mem_limit)
 
 

@@ -77,23 +77,27 @@ class Profile:
 
     @property
     def splits_backward(self) -> bool:
-        """Whether B and W can be planned apart: some stage has separate B and W times (a stage that ran fused
-        ``BW`` only is split in their ratio, ``_split``)."""
-        return self._b_share() is not None
+        """Whether some stage ran B and W apart (a stage that ran fused ``BW`` only is then split in their ratio,
+        ``_split``)."""
+        return any(b is not None and w is not None for b, w in zip(self.b, self.w))
 
     def _b_share(self) -> float | None:
-        """B's share of B + W, the median over the stages that ran them apart (``None``: none did)."""
+        """B's share of B + W: the median over the stages that ran them apart; when none did, the per-part model's
+        layer (``parts``, where the window shared each part's BW in the analytic ratio); ``None``: neither known."""
         shares = sorted(b / (b + w) for b, w in zip(self.b, self.w) if b is not None and w is not None and b + w > 0)
-        if not shares:
-            return None
-        mid = len(shares) // 2
-        return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+        if shares:
+            mid = len(shares) // 2
+            return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+        if self.parts is not None:
+            layer = ModelCosts.from_dict(self.parts).layer
+            return layer.b / (layer.b + layer.w) if layer.b + layer.w > 0 else None
+        return None
 
     # -- costs ------------------------------------------------------------------------------------------------
     def _split(self, s: int, *, fused: bool = False) -> tuple[float, float]:
         """(B, W) of stage ``s``; ``fused=True`` lets a stage that only ran ``BW`` count its whole backward as B (W
         about 0) -- right for simulating a plan that fuses it too.  Else such a stage's BW is shared in the B : W
-        ratio the other stages measured (a memory-capped plan may run every backward of a stage fused)."""
+        ratio ``_b_share`` (a memory-capped plan may run every backward of a stage, or of every stage, fused)."""
         b, w, bw = self.b[s], self.w[s], self.bw[s]
         if b is not None and w is not None:
             return b, w
