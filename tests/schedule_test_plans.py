@@ -204,3 +204,17 @@ def data_ready(lowered: LoweredSchedule) -> bool:
                     if a.kind in (Kind.RECV_F, Kind.RECV_B) and not pos[key] > j:
                         return False
     return True
+
+
+def producing_step_ends(result) -> dict[tuple[int, bool, int], float]:
+    """(stage, forward?, microbatch) -> when the plan step producing that output ends in a ``simulate`` result (a
+    pair's halves both at the pair's end; W produces nothing)."""
+    from zb_pipeline.schedule.ir import halves
+
+    return {
+        (h.stage, h.kind is Kind.F, h.microbatch): x.end
+        for line in result.timeline
+        for x in line
+        for h in halves(x.action)
+        if h.kind is not Kind.W
+    }

@@ -16,6 +16,7 @@ from zb_pipeline.schedule.simulate import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_pipeline_emulated import _transfer_times, emulated_costs, in_pipeline_latency_ms  # noqa: E402
+from schedule_test_plans import producing_step_ends  # noqa: E402
 
 EMU = EmulatedCosts(4.0, 6.0, 3.0)  # F, B, W of a rank's whole share, ms
 T0 = 1000.0  # the tracer's host-clock origin, s
@@ -30,13 +31,7 @@ def _rank_traces(name: str, p: int, m: int, comm_ms: float) -> list[list[dict]]:
     costs = emulated_costs(name, p, comm_ms, EMU)
     res = simulate(sched, costs)
     owner, last = sched.stage_to_rank, sched.num_stages - 1
-    ends = {  # (stage, forward?, microbatch) -> when the plan step producing it ends
-        (h.stage, h.kind is Kind.F, h.microbatch): x.end
-        for line in res.timeline
-        for x in line
-        for h in halves(x.action)
-        if h.kind is not Kind.W
-    }
+    ends = producing_step_ends(res)  # (stage, forward?, microbatch) -> when the plan step producing it ends
 
     def ev(cat: str, start_ms: float, dur_ms: float, stage: int, mb: int, **args: object) -> dict:
         return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from schedule_test_plans import producing_step_ends
 
 from zb_pipeline.schedule.critical_path import critical_path
 from zb_pipeline.schedule.ir import Action, Kind
@@ -90,13 +91,7 @@ def _trace_as_simulated(name: str, p: int, m: int, *, comm_ms: float, post_ms: f
     )
     res = simulate(sched, costs)
     owner, last = sched.stage_to_rank, sched.num_stages - 1
-    ends = {  # (stage, forward?, microbatch) -> when the plan step producing it ends
-        (h.stage, h.kind is Kind.F, h.microbatch): x.end
-        for line in res.timeline
-        for x in line
-        for h in halves(x.action)
-        if h.kind is not Kind.W
-    }
+    ends = producing_step_ends(res)  # (stage, forward?, microbatch) -> when the plan step producing it ends
     evs = []
     for r, line in enumerate(res.timeline):
         free = 0.0
