@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from zb_pipeline.schedule import registry
@@ -81,13 +83,14 @@ class Profile:
         ``_split``)."""
         return any(b is not None and w is not None for b, w in zip(self.b, self.w))
 
+    @cached_property
     def _b_share(self) -> float | None:
         """B's share of B + W: the median over the stages that ran them apart; when none did, the per-part model's
-        layer (``parts``, where the window shared each part's BW in the analytic ratio); ``None``: neither known."""
-        shares = sorted(b / (b + w) for b, w in zip(self.b, self.w) if b is not None and w is not None and b + w > 0)
+        layer (``parts``, where the window shared each part's BW in the analytic ratio); ``None``: neither known.
+        Computed once per profile (``_split`` asks for it per fused stage)."""
+        shares = [b / (b + w) for b, w in zip(self.b, self.w) if b is not None and w is not None and b + w > 0]
         if shares:
-            mid = len(shares) // 2
-            return shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+            return statistics.median(shares)
         if self.parts is not None:
             layer = ModelCosts.from_dict(self.parts).layer
             return layer.b / (layer.b + layer.w) if layer.b + layer.w > 0 else None
@@ -103,7 +106,7 @@ class Profile:
             return b, w
         if bw is not None and fused:
             return bw, _MIN_COST_MS
-        if bw is not None and (share := self._b_share()) is not None:
+        if bw is not None and (share := self._b_share) is not None:
             return max(bw * share, _MIN_COST_MS), max(bw * (1.0 - share), _MIN_COST_MS)
         raise ValueError(
             f"profile of {self.schedule!r} has no separate B and W times for stage {s} (it ran fused BW); "
