@@ -44,19 +44,17 @@ def owns_grad(param: torch.nn.Parameter, *, tp_rank: int) -> bool:
 
 
 def local_grad_stats(params: Iterable[torch.nn.Parameter], *, tp_rank: int = 0) -> torch.Tensor:
-    """``[sum of squares, non-finite count]`` (float64, on the gradients' device) over the gradients this rank owns
+    """``[sum of squares, non-finite flag]`` (float64, on the gradients' device) over the gradients this rank owns
     (``sum_squares_and_nonfinite``)."""
     grads = [g for p in params if (g := grad_of(p)) is not None and owns_grad(p, tp_rank=tp_rank)]
     return sum_squares_and_nonfinite(grads, device=grads[0].device if grads else torch.device("cpu"))
 
 
 def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor], *, device: torch.device | str) -> torch.Tensor:
-    """``[sum of squares, non-finite count]`` (float64, on ``device``, where the gradients are) of the given gradient
-    tensors (already chosen); no host synchronisation.  The count is 1 when the sum of squares is not finite, else
-    0: an inf or NaN entry makes its square, and so the sum, inf or NaN (squares are never negative, so two infs
-    cannot cancel), so every gradient that held one is flagged, as by counting the entries (which
-    ``stats_from_total`` read as a flag anyway), without a pass over every gradient (``isfinite`` over the whole
-    model cost several times the sum of squares on a CPU)."""
+    """``[sum of squares, non-finite flag]`` (float64, on ``device``, where the gradients are) of the given gradient
+    tensors (already chosen); no host synchronisation.  The flag is 1 when the sum of squares is inf or NaN, as it
+    is whenever some entry is (squares are never negative, so infs cannot cancel): no ``isfinite`` pass over
+    every gradient (several times the sum of squares' cost on a CPU)."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         g32 = g.detach().float().reshape(-1)
@@ -65,7 +63,7 @@ def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor], *, device: torch.de
 
 
 def stats_from_total(total: torch.Tensor) -> GradStats:
-    """``GradStats`` from a reduced ``[sum of squares, non-finite count]``: its one read to the host."""
+    """``GradStats`` from a reduced ``[sum of squares, non-finite flags]``: its one read to the host."""
     sq, bad = total[:2].tolist()
     found_nonfinite = bad > 0 or not math.isfinite(sq)
     return GradStats(norm=float("nan") if found_nonfinite else sq**0.5, found_nonfinite=found_nonfinite)

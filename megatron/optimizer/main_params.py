@@ -151,7 +151,7 @@ class MainParamOptimizer:
     # --------------------------------------------------------------------------------------------- step
     @torch.no_grad()
     def unscale_and_local_stats(self) -> torch.Tensor:
-        """Unscale the main gradients (fp16) and return float64 ``[sum of squares, non-finite count]`` of the ones
+        """Unscale the main gradients (fp16) and return float64 ``[sum of squares, non-finite flag]`` of the ones
         this rank counts, reduced over its pipeline position (no communication across pipeline stages)."""
         start = time.perf_counter()
         scale = self.scaler.scale
