@@ -22,6 +22,13 @@ from zb_pipeline.schedule.costs import StageCosts
 NO_RECOMPUTE = "none"
 
 
+def _check_nonneg(what: str, **values: float) -> None:
+    """Raise one line naming the first of ``values`` that is not finite and >= 0."""
+    for name, v in values.items():
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{what} {name}={v} must be finite and >= 0")
+
+
 @dataclass(frozen=True)
 class PartCosts:
     """One part of the model for one microbatch: its F, B, W times and the activation memory F keeps (``mem_f``)
@@ -34,10 +41,7 @@ class PartCosts:
     mem_b: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"part cost {name}={v} must be finite and >= 0")
+        _check_nonneg("part cost", f=self.f, b=self.b, w=self.w)
         if not (math.isfinite(self.mem_f) and math.isfinite(self.mem_b)):
             raise ValueError(f"part memory ({self.mem_f}, {self.mem_b}) must be finite")
         if self.mem_f < 0 or self.mem_f + self.mem_b < 0:
@@ -127,10 +131,7 @@ class StepShare:
     head: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("embedding", "layer", "head"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"step share {name}={v} must be finite and >= 0")
+        _check_nonneg("step share", embedding=self.embedding, layer=self.layer, head=self.head)
 
     def largest_rank(self, layers: Sequence[int], stage_to_rank: Sequence[int]) -> float:
         """The largest rank's share under the split ``layers`` (per virtual stage) placed by ``stage_to_rank``."""
