@@ -241,6 +241,43 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
         assert "layers per stage [2, 2] -> " in log
 
 
+def test_part_timer_takes_out_every_hook_at_the_windows_end() -> None:
+    """The window's ``PartTimer`` times a one-stage GPT's parts through module hooks, an iteration hook and handler
+    wrappers; ``detach`` (the trainer's, at the window's end) puts the modules' hook dicts, the runtime's handler
+    table and its iteration hooks back to what they were, and the samples stay for the gather."""
+    import torch
+    from model_configs import pipeline_config
+
+    from megatron.model.gpt import build_gpt_stages
+    from megatron.pipeline.part_timer import PartTimer
+    from zb_pipeline.runtime.runtime import PipelineRuntime, PlanSource
+
+    torch.manual_seed(0)
+    cfg = pipeline_config(2, tied=False)
+    (stage,) = build_gpt_stages(cfg, 1, seed=77)
+    runtime = PipelineRuntime(
+        {0: stage}, rank=0, plans=PlanSource("zb-h1"), num_microbatches=2, comm=None, input_fn=lambda t: t[:, :-1],
+        loss_fn=lambda out, t: (out.mean() / 2, out.mean()), forward_fn=lambda m, x, s, t: m(x, labels=t[:, 1:]),
+    )  # fmt: skip
+    batches = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1)) for _ in range(2)]
+
+    def installed() -> tuple:
+        hooks = {n: (list(m._forward_pre_hooks), list(m._forward_hooks)) for n, m in stage.named_modules()}
+        return hooks, dict(runtime.executor.handlers), list(runtime.hooks.iteration_start)
+
+    before = installed()
+    timer = PartTimer(runtime, start_iter=0, end_iter=2)
+    assert installed() != before
+    for it in range(2):
+        runtime.run(batches, iteration=it)
+    timer.detach()
+    assert installed() == before
+    summary = timer.local_summary()
+    assert all(summary[part][kind] for part in ("embedding", "layer", "head") for kind in ("f", "b")), summary
+    runtime.run(batches, iteration=2)
+    assert timer.local_summary() == summary
+
+
 def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
     import io
 
