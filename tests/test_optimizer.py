@@ -8,7 +8,8 @@ import torch.distributed as dist
 
 from megatron.config.lr_schedule import LRScheduleConfig
 from megatron.config.optimizer import OptimizerConfig
-from megatron.optimizer import AdamW, LRScheduler, clip_grads, learning_rate_at, local_grad_stats
+from megatron.optimizer import AdamW, GradStats, LRScheduler, clip_grads, learning_rate_at, local_grad_stats
+from zb_pipeline.optim.grad_stats import grad_stats
 from zb_pipeline.testing.harness import run_multiprocess
 
 
@@ -104,19 +105,21 @@ def test_clip_matches_torch_and_reports_nonfinite():
     assert stats.found_nonfinite and math.isnan(stats.norm)
     # +inf and -inf in different tensors: their squares add up to inf, they cannot cancel; finite grads flag nothing
     finite = [torch.ones(3), torch.full((2,), 2.0)]
-    assert _local_stats_of(finite).tolist() == [11.0, 0.0]
-    assert _local_stats_of([torch.tensor([1.0, float("inf")]), torch.tensor([-float("inf")])])[1] > 0
-    assert _local_stats_of([torch.tensor([float("-inf")])])[1] > 0
+    assert _local_stats_of(finite) == (11.0, GradStats(norm=11.0**0.5, found_nonfinite=False))
+    assert _local_stats_of([torch.tensor([1.0, float("inf")]), torch.tensor([-float("inf")])])[1].found_nonfinite
+    assert _local_stats_of([torch.tensor([float("-inf")])])[1].found_nonfinite
 
 
-def _local_stats_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``local_grad_stats`` of parameters whose main gradients are ``grads``."""
+def _local_stats_of(grads: list[torch.Tensor]) -> tuple[float, GradStats]:
+    """``local_grad_stats`` (the sum of squares) of parameters whose main gradients are ``grads``, and the
+    statistics that ``grad_stats`` derives from it."""
     params = []
     for g in grads:
         p = torch.nn.Parameter(torch.zeros_like(g))
         p.main_grad = g
         params.append(p)
-    return local_grad_stats(params)
+    sum_sq = local_grad_stats(params)
+    return sum_sq.item(), grad_stats(sum_sq)
 
 
 def _tp_norm_rank(rank: int, world_size: int) -> float:
@@ -129,7 +132,7 @@ def _tp_norm_rank(rank: int, world_size: int) -> float:
     b = torch.nn.Parameter(torch.zeros(4))
     w.main_grad = w.detach().clone()
     b.main_grad = bias.clone()
-    assert local_grad_stats([w, b], tp_rank=rank)[0] > 0
+    assert local_grad_stats([w, b], tp_rank=rank) > 0
     return clip_grads([w, b], 0.0, tp_rank=rank, mp_group=dist.group.WORLD).norm
 
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
+from training_runs import pretrain_rank
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -193,24 +194,6 @@ def test_every_schedule_matches_slow(schedule: str, pp: int, precision: str) -> 
     assert sum(_causes(results).values()) == pp * ITERS
 
 
-def _pretrain_rank(rank: int, world_size: int, argv: list[str]) -> dict:
-    import io
-
-    import torch
-
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
-
-    torch.set_num_threads(1)
-    stream = io.StringIO()
-    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
-    return {
-        "losses": list(summary.losses),
-        "valid": [v for _, v in summary.validation_losses],
-        "log": stream.getvalue(),
-    }
-
-
 def test_pretrain_with_the_flag_matches_and_resumes_bit_exact(tmp_path) -> None:
     """The whole run (evaluation and checkpoints flush the pending step): the same losses, validation losses and
     log line counters as the synchronised run; a run resumed from its iteration-4 checkpoint continues bit-exactly."""
@@ -218,8 +201,8 @@ def test_pretrain_with_the_flag_matches_and_resumes_bit_exact(tmp_path) -> None:
     argv += ["--initial-loss-scale", "4096", "--train-iters", "8", "--eval-interval", "4", "--eval-iters", "1"]
     argv += ["--save-interval", "4"]
     pv_flag = ["--enable-optimizer-post-validation"]
-    sync = run_multiprocess(_pretrain_rank, 2, args=(argv + ["--save", str(tmp_path / "s")],), timeout_s=300)
-    pv = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--save", str(tmp_path / "p")],), timeout_s=300)
+    sync = run_multiprocess(pretrain_rank, 2, args=(argv + ["--save", str(tmp_path / "s")],), timeout_s=300)
+    pv = run_multiprocess(pretrain_rank, 2, args=(argv + pv_flag + ["--save", str(tmp_path / "p")],), timeout_s=300)
     assert sync[0]["losses"] == pv[0]["losses"] and sync[0]["valid"] == pv[0]["valid"]
     assert "optimizer post-validation: on" in pv[0]["log"]
     assert "post-validation: validated steps:" in pv[0]["log"]
@@ -227,9 +210,9 @@ def test_pretrain_with_the_flag_matches_and_resumes_bit_exact(tmp_path) -> None:
                if "number of skipped" in line]  # fmt: skip
     assert skipped, sync[0]["log"]
     ckpt = str(tmp_path / "r")
-    first = run_multiprocess(_pretrain_rank, 2, args=(argv + pv_flag + ["--save", ckpt, "--exit-interval", "4"],))
+    first = run_multiprocess(pretrain_rank, 2, args=(argv + pv_flag + ["--save", ckpt, "--exit-interval", "4"],))
     resume = argv + pv_flag + ["--load", ckpt, "--save", ckpt]
-    second = run_multiprocess(_pretrain_rank, 2, args=(resume,), timeout_s=300)
+    second = run_multiprocess(pretrain_rank, 2, args=(resume,), timeout_s=300)
     assert first[0]["losses"] + second[0]["losses"] == pv[0]["losses"]
 
 
@@ -240,8 +223,8 @@ def test_zb_auto_replanned_mid_run_keeps_the_chain(tmp_path) -> None:
     argv = BASE + CLIP + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "8", "--bf16"]
     argv += ["--pipeline-schedule", "zb-auto", "--train-iters", "8", "--zero-bubble-pipeline-timers-start-iter", "2"]
     argv += ["--zero-bubble-pipeline-timers-end-iter", "4"]
-    sync = run_multiprocess(_pretrain_rank, 2, args=(argv,), timeout_s=300)
-    pv = run_multiprocess(_pretrain_rank, 2, args=(argv + ["--enable-optimizer-post-validation"],), timeout_s=300)
+    sync = run_multiprocess(pretrain_rank, 2, args=(argv,), timeout_s=300)
+    pv = run_multiprocess(pretrain_rank, 2, args=(argv + ["--enable-optimizer-post-validation"],), timeout_s=300)
     assert sync[0]["losses"] == pv[0]["losses"]
     assert "replanned zb-auto" in pv[0]["log"] and "post-validation: validated steps:" in pv[0]["log"]
 

@@ -14,6 +14,7 @@ import io
 
 import pytest
 import torch
+from training_runs import WINDOW
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -227,8 +228,7 @@ def test_zb_auto_replans_from_a_profile_measured_under_recompute_slow(tmp_path) 
     from zb_pipeline.schedule.profile import Profile, mem_limit_for_microbatches
     from zb_pipeline.schedule.registry import generate
 
-    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
-    argv = [*BASE, "--train-iters", "5", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *window]
+    argv = [*BASE, "--train-iters", "5", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *WINDOW]
     argv += ["--zero-bubble-max-pending-backward", "2"]
     plain = run_multiprocess(_train_logged, 2, args=(argv,), timeout_s=240)[0]["losses"]
     save = str(tmp_path / "ckpt")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from training_runs import WINDOW, pretrain_rank
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -133,7 +134,7 @@ def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -
     started = _run([*argv, "--decoder-first-pipeline-num-layers", "1"], 2)
     assert started["after"] == (1, 3)
     assert moved["losses"] == started["losses"], (moved, started)
-    resumed = run_multiprocess(_pretrain, 2, args=([*argv, *AUTO, "--load", ckpt],), timeout_s=240)[0]
+    resumed = run_multiprocess(pretrain_rank, 2, args=([*argv, *AUTO, "--load", ckpt],), timeout_s=240)[0]
     assert resumed["losses"] == moved["losses"][3:]
     assert "layers per stage: [1, 3] (auto)" in resumed["log"]
 
@@ -163,7 +164,7 @@ def test_recompute_choice_changes_in_process_and_resumes(tmp_path, flags: list[s
     started = _run(argv, world, start=((1, 3), chosen))
     assert started["recomputed"] == moved["recomputed"]
     assert moved["losses"] == started["losses"], (moved, started)
-    resumed = run_multiprocess(_pretrain, world, args=([*argv, "--load", ckpt],), timeout_s=240)[0]
+    resumed = run_multiprocess(pretrain_rank, world, args=([*argv, "--load", ckpt],), timeout_s=240)[0]
     assert resumed["losses"] == moved["losses"][3:]
     assert "layers per stage: [1, 3] (auto)" in resumed["log"]
     assert "activation recomputation: auto per stage: full, selective" in resumed["log"]
@@ -212,12 +213,8 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
     from zb_pipeline.schedule.stage_planner import ModelCosts, evaluate_split, plan_stages
 
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, "--train-iters", "5"]
-    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
     save = str(tmp_path / "ckpt")
-    got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
-    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
-    assert got[0]["losses"] == ref["losses"]
-    log = "".join(r["log"] for r in got)
+    log = _with_and_without_window(argv, "--save", save)
     assert "layer split from measured per-part costs" in log
     profile = Profile.load(f"{save}/zb_profile.json")
     parts = profile.model_costs()
@@ -241,18 +238,50 @@ def test_profiling_window_measures_parts_and_keeps_the_losses(tmp_path) -> None:
         assert "layers per stage [2, 2] -> " in log
 
 
-def _pretrain(rank: int, world_size: int, argv: list[str]) -> dict:
-    import io
-
+def test_part_timer_takes_out_every_hook_at_the_windows_end() -> None:
+    """The window's ``PartTimer`` times a one-stage GPT's parts through module hooks, an iteration hook and handler
+    wrappers; ``detach`` (the trainer's, at the window's end) puts the modules' hook dicts, the runtime's handler
+    table and its iteration hooks back to what they were, and the samples stay for the gather."""
     import torch
+    from model_configs import pipeline_config
 
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
+    from megatron.model.gpt import build_gpt_stages
+    from megatron.pipeline.part_timer import PartTimer
+    from zb_pipeline.runtime.runtime import PipelineRuntime, PlanSource
 
-    torch.set_num_threads(1)
-    stream = io.StringIO()
-    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
-    return {"losses": list(summary.losses), "log": stream.getvalue()}
+    torch.manual_seed(0)
+    cfg = pipeline_config(2, tied=False)
+    (stage,) = build_gpt_stages(cfg, 1, seed=77)
+    runtime = PipelineRuntime(
+        {0: stage}, rank=0, plans=PlanSource("zb-h1"), num_microbatches=2, comm=None, input_fn=lambda t: t[:, :-1],
+        loss_fn=lambda out, t: (out.mean() / 2, out.mean()), forward_fn=lambda m, x, s, t: m(x, labels=t[:, 1:]),
+    )  # fmt: skip
+    batches = [torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1)) for _ in range(2)]
+
+    def installed() -> tuple:
+        hooks = {n: (list(m._forward_pre_hooks), list(m._forward_hooks)) for n, m in stage.named_modules()}
+        return hooks, dict(runtime.executor.handlers), list(runtime.hooks.iteration_start)
+
+    before = installed()
+    timer = PartTimer(runtime, start_iter=0, end_iter=2)
+    assert installed() != before
+    for it in range(2):
+        runtime.run(batches, iteration=it)
+    timer.detach()
+    assert installed() == before
+    summary = timer.local_summary()
+    assert all(summary[part][kind] for part in ("embedding", "layer", "head") for kind in ("f", "b")), summary
+    runtime.run(batches, iteration=2)
+    assert timer.local_summary() == summary
+
+
+def _with_and_without_window(argv: list[str], *window_only: str) -> str:
+    """``argv`` trained on 2 ranks with the profiling window (and ``window_only``) and without: the losses agree to
+    the bit; returns the window run's log (every rank's)."""
+    got = run_multiprocess(pretrain_rank, 2, args=([*argv, *WINDOW, *window_only],), timeout_s=240)
+    ref = run_multiprocess(pretrain_rank, 2, args=(argv,), timeout_s=240)[0]
+    assert got[0]["losses"] == ref["losses"]
+    return "".join(r["log"] for r in got)
 
 
 def _analytic(num_layers: int):
@@ -458,11 +487,7 @@ def test_fused_bw_schedule_with_auto_split_and_window_trains() -> None:
     the split from the measured BW (it once ended in a traceback asking for split B and W times), and the losses are
     those of the run without a window, to the bit."""
     argv = [*ARGV, "--pipeline-schedule", "1f1b", *AUTO, "--pipeline-memory-limit-gb", "0.001", "--train-iters", "5"]
-    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
-    got = run_multiprocess(_pretrain, 2, args=([*argv, *window],), timeout_s=240)
-    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
-    assert got[0]["losses"] == ref["losses"]
-    log = "".join(r["log"] for r in got)
+    log = _with_and_without_window(argv)
     assert "replanned 1f1b (p=2, m=4) from profiled costs" in log
     assert "layer split from measured per-part costs" in log
 
@@ -480,13 +505,9 @@ def test_window_under_explicit_full_recompute(method: str, measured: bool) -> No
 
     full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", "1"]
     argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
-    window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
     with tempfile.TemporaryDirectory() as save:
-        got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
+        log = _with_and_without_window(argv, "--save", save)
         profile = Profile.load(f"{save}/zb_profile.json")
-    ref = run_multiprocess(_pretrain, 2, args=(argv,), timeout_s=240)[0]
-    assert got[0]["losses"] == ref["losses"]
-    log = "".join(r["log"] for r in got)
     assert ("layer split from measured per-part costs" in log) == measured
     assert (FULL_RECOMPUTE_KEPT in log) != measured
     if measured:

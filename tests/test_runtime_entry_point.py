@@ -157,6 +157,44 @@ def test_new_action_kind_runs_through_its_handler() -> None:
         assert np.array_equal(got, want)
 
 
+def test_a_handler_wrapper_is_taken_out_again() -> None:
+    """``wrap_handler`` returns the wrap; ``remove()`` takes it out of the chain, the wrappers added after it applied
+    anew over what remains (the profiler wraps after a timer that leaves at its window's end); a handler replaced
+    by ``set_handler`` took its wrappers with it, so removing one then changes nothing."""
+    runtime = PipelineRuntime(
+        {0: MLPStage(0)}, rank=0, plans=PlanSource("1f1b"), num_microbatches=2, comm=None, input_fn=lambda b: b["x"],
+        loss_fn=_Loss(),
+    )  # fmt: skip
+    ran: list[str] = []
+    handlers = runtime.executor.handlers
+    base = handlers[Kind.F]
+
+    def named(name: str):
+        def wrapper(inner):
+            def handler(ex, a):
+                ran.append(name)
+                return inner(ex, a)
+
+            return handler
+
+        return wrapper
+
+    inner, outer = runtime.wrap_handler(Kind.F, named("inner")), runtime.wrap_handler(Kind.F, named("outer"))
+    runtime.run([_batch(0, mb) for mb in range(2)])
+    assert ran == ["outer", "inner"] * 2
+    inner.remove()
+    inner.remove()  # twice: nothing more
+    ran.clear()
+    runtime.run([_batch(1, mb) for mb in range(2)])
+    assert ran == ["outer"] * 2
+    outer.remove()
+    assert handlers[Kind.F] is base
+    again = runtime.wrap_handler(Kind.F, named("again"))
+    runtime.set_handler(Kind.F, base)
+    again.remove()
+    assert handlers[Kind.F] is base
+
+
 def test_replaced_stages_run_from_the_next_iteration() -> None:
     """``replace_stages`` between iterations: the next iteration runs (and accumulates into) the new modules."""
     loss = _Loss()

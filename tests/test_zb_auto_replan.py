@@ -9,11 +9,11 @@ gives the same plan offline through ``zb-schedule --profile``.
 
 from __future__ import annotations
 
-import io
 import math
 import os
 
 import pytest
+from training_runs import WINDOW, pretrain_rank
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -25,19 +25,6 @@ ARGV = [
     "--hidden-dropout", "0", "--seed", "11", "--log-interval", "1", "--distributed-timeout-seconds", "60",
     "--untie-embeddings-and-output-weights", "--eval-iters", "0",
 ]  # fmt: skip
-WINDOW = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
-
-
-def _train(rank: int, world_size: int, argv: list[str]) -> dict:
-    import torch
-
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
-
-    torch.set_num_threads(1)
-    stream = io.StringIO()
-    summary = pretrain(parse_run_config(argv, world_size=world_size), stream=stream)
-    return {"losses": list(summary.losses), "log": stream.getvalue()}
 
 
 @pytest.mark.parametrize(
@@ -59,10 +46,10 @@ def test_replans_from_profile_and_keeps_losses(tmp_path, flags: list[str], name:
     from zb_pipeline.schedule.profile import Profile
 
     model = ["--num-layers", "6"] if chunks == 3 else []
-    reference = run_multiprocess(_train, 1, args=([*ARGV, *model],), timeout_s=240)[0]["losses"]
+    reference = run_multiprocess(pretrain_rank, 1, args=([*ARGV, *model],), timeout_s=240)[0]["losses"]
     save = str(tmp_path / "ckpt")
     argv = [*ARGV, *model, "--pipeline-model-parallel-size", "2", *flags, *WINDOW, "--save", save]
-    results = run_multiprocess(_train, 2, args=(argv,), timeout_s=240)
+    results = run_multiprocess(pretrain_rank, 2, args=(argv,), timeout_s=240)
     losses = results[0]["losses"]
     assert len(losses) == len(reference) == STEPS
     assert all(math.isfinite(x) and abs(x - y) <= 1e-4 * abs(y) for x, y in zip(losses, reference)), (

@@ -51,7 +51,7 @@ from bench_pipeline import environment  # noqa: E402
 from megatron.config.optimizer import OptimizerConfig  # noqa: E402
 from megatron.config.precision import PrecisionConfig  # noqa: E402
 from megatron.optimizer.main_params import MainParamOptimizer  # noqa: E402
-from zb_pipeline.optim.post_validation import PostValidator  # noqa: E402
+from zb_pipeline.optim.post_validation import PostValidator, local_state  # noqa: E402
 from zb_pipeline.runtime.emulate import EmulatedCompute, EmulatedCosts  # noqa: E402
 from zb_pipeline.runtime.executor import PipelineExecutor  # noqa: E402
 from zb_pipeline.runtime.p2p import PipelineP2P, TensorSpec  # noqa: E402
@@ -99,7 +99,7 @@ def _sum(out: torch.Tensor, mb: int) -> torch.Tensor:
 
 
 def _allgather_ms(repeats: int = 30) -> float:
-    state = torch.zeros(4, dtype=torch.float64)
+    state = local_state(None)  # the post-validation state the synchronised reduction all-gathers
     parts = [torch.empty_like(state) for _ in range(dist.get_world_size())]
     times = []
     for _ in range(repeats):

@@ -1,5 +1,8 @@
 """Global gradient statistics (norm, inf/NaN) across every model-parallel rank, and clipping by the global norm.
 
+The statistics are one float64 sum of squared gradients; the norm and the inf/NaN flag follow from it by
+``zb_pipeline.optim.grad_stats`` (the rule the post-validated step shares).
+
 The sum of squares is taken over the gradients this rank *owns*: a tensor-parallel shard is owned by every
 tensor-parallel rank (each holds a different slice); a parameter replicated across the tensor-parallel group (norm
 weights, row-parallel biases) is owned by tensor-parallel rank 0 only; a parameter that is a copy of another rank's
@@ -8,26 +11,18 @@ nobody here. Data-parallel replicas hold identical reduced gradients, so only th
 
 ``reduce_grad_stats`` is the single synchronisation point of these statistics: the post-validation work replaces
 exactly that function, so nothing else here may communicate.  The statistics stay on the gradients' device until
-``stats_from_total`` reads the reduced pair to the host: one host synchronisation per step.
+``grad_stats`` reads the reduced sum to the host: one host synchronisation per step.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from zb_pipeline import comm
-
-
-@dataclass(frozen=True)
-class GradStats:
-    """The global gradient norm (before clipping) and whether any gradient held inf/NaN."""
-
-    norm: float
-    found_nonfinite: bool
+from zb_pipeline.optim.grad_stats import GradStats, grad_stats
 
 
 def grad_of(param: torch.nn.Parameter) -> torch.Tensor | None:
@@ -44,29 +39,20 @@ def owns_grad(param: torch.nn.Parameter, *, tp_rank: int) -> bool:
 
 
 def local_grad_stats(params: Iterable[torch.nn.Parameter], *, tp_rank: int = 0) -> torch.Tensor:
-    """``[sum of squares, non-finite flag]`` (float64, on the gradients' device) over the gradients this rank owns
-    (``sum_squares_and_nonfinite``)."""
+    """The sum of squares (0-d float64, on the gradients' device) of the gradients this rank owns (``sum_squares``)."""
     grads = [g for p in params if (g := grad_of(p)) is not None and owns_grad(p, tp_rank=tp_rank)]
-    return sum_squares_and_nonfinite(grads, device=grads[0].device if grads else torch.device("cpu"))
+    return sum_squares(grads, device=grads[0].device if grads else torch.device("cpu"))
 
 
-def sum_squares_and_nonfinite(grads: Iterable[torch.Tensor], *, device: torch.device | str) -> torch.Tensor:
-    """``[sum of squares, non-finite flag]`` (float64, on ``device``, where the gradients are) of the given gradient
-    tensors (already chosen); no host synchronisation.  The flag is 1 when the sum of squares is inf or NaN, as it
-    is whenever some entry is (squares are never negative, so infs cannot cancel): no ``isfinite`` pass over
-    every gradient (several times the sum of squares' cost on a CPU)."""
+def sum_squares(grads: Iterable[torch.Tensor], *, device: torch.device | str) -> torch.Tensor:
+    """The sum of squares (0-d float64, on ``device``, where the gradients are) of the given gradient tensors (already
+    chosen); no host synchronisation.  It is inf or NaN whenever some entry is (``zb_pipeline.optim.grad_stats``): no
+    ``isfinite`` pass over every gradient (several times the sum of squares' cost on a CPU)."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for g in grads:
         g32 = g.detach().float().reshape(-1)
         sq += torch.dot(g32, g32).double()
-    return torch.stack([sq, (~torch.isfinite(sq)).double()])
-
-
-def stats_from_total(total: torch.Tensor) -> GradStats:
-    """``GradStats`` from a reduced ``[sum of squares, non-finite flags]``: its one read to the host."""
-    sq, bad = total[:2].tolist()
-    found_nonfinite = bad > 0 or not math.isfinite(sq)
-    return GradStats(norm=float("nan") if found_nonfinite else sq**0.5, found_nonfinite=found_nonfinite)
+    return sq
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
@@ -101,7 +87,7 @@ def clip_grads(
     ``max_norm = 0`` only measures. Non-finite gradients are reported, never scaled (the caller skips the update).
     Gradients are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1, as in Megatron.
     """
-    stats = stats_from_total(reduce_grad_stats(local_grad_stats(params, tp_rank=tp_rank), group=mp_group))
+    stats = grad_stats(reduce_grad_stats(local_grad_stats(params, tp_rank=tp_rank), group=mp_group))
     if not stats.found_nonfinite and max_norm > 0:
         coeff = max_norm / (stats.norm + 1e-6)
         if coeff < 1.0:

@@ -3,9 +3,9 @@
 One optimizer step (``step``)::
 
     main_grad /= loss_scale                                      # fp16 only; exact (the scale is a power of two)
-    local = [sum g^2, #non-finite] over the gradients this rank counts, reduced over its pipeline position's group
+    local = sum g^2 over the gradients this rank counts, reduced over its pipeline position's group
             (tensor-parallel ranks; tensor- and data-parallel ranks with the distributed optimizer)
-    stats = the pipeline ranks' ``local`` summed in pipeline-rank order    # THE synchronisation across stages
+    stats = norm and inf/NaN of the pipeline ranks' ``local`` summed in pipeline-rank order  # THE cross-stage sync
     loss_scaler.update(stats.found_nonfinite)
     if stats.found_nonfinite: skip the step
     clip main grads by the global norm; the update rule (``--optimizer``: AdamW or SGD) on the fp32 main parameters
@@ -39,18 +39,12 @@ import torch
 
 from megatron.config.optimizer import OptimizerConfig
 from megatron.config.precision import PrecisionConfig
-from megatron.optimizer.grad_norm import (
-    GradStats,
-    clip_coefficient,
-    owns_grad,
-    reduce_grad_stats,
-    stats_from_total,
-    sum_squares_and_nonfinite,
-)
+from megatron.optimizer.grad_norm import GradStats, clip_coefficient, owns_grad, reduce_grad_stats, sum_squares
 from megatron.optimizer.loss_scaler import LossScaler, build_loss_scaler
 from megatron.optimizer.registry import build_update_rule
 from megatron.optimizer.update_rule import default_no_weight_decay
 from zb_pipeline import comm
+from zb_pipeline.optim.grad_stats import grad_stats
 from zb_pipeline.optim.post_validation import gather_in_rank_order, local_state
 
 PIECE_METADATA = ("lo", "hi", "numel", "shape")  # a checkpoint piece's other entries are flat fp32 tensors
@@ -151,8 +145,8 @@ class MainParamOptimizer:
     # --------------------------------------------------------------------------------------------- step
     @torch.no_grad()
     def unscale_and_local_stats(self) -> torch.Tensor:
-        """Unscale the main gradients (fp16) and return float64 ``[sum of squares, non-finite flag]`` of the ones
-        this rank counts, reduced over its pipeline position (no communication across pipeline stages)."""
+        """Unscale the main gradients (fp16) and return the float64 sum of squares (0-d) of the ones this rank
+        counts, reduced over its pipeline position (no communication across pipeline stages)."""
         start = time.perf_counter()
         scale = self.scaler.scale
         if scale != 1.0:
@@ -164,17 +158,17 @@ class MainParamOptimizer:
         return local
 
     def _local_stats(self) -> torch.Tensor:
-        local = sum_squares_and_nonfinite((s.grad for s in self.shards if s.owned), device=self.device)
+        local = sum_squares((s.grad for s in self.shards if s.owned), device=self.device)
         return reduce_grad_stats(local, group=self.stage_group)
 
     def grad_stats(self, local: torch.Tensor | None = None) -> GradStats:
         """Global norm and inf/NaN of the (unscaled) main gradients: the stages' local statistics summed in
         pipeline-rank order (one all-gather over the pipeline; ``local`` defaults to this rank's, not unscaled).
-        Everything stays on the device up to ``stats_from_total``, the step's one host read."""
+        Everything stays on the device up to ``grad_stats``, the step's one host read."""
         if local is None:
             local = self._local_stats()
         total = gather_in_rank_order(local_state(local), self.pp_group)
-        return stats_from_total(total[:2])
+        return grad_stats(total[0])
 
     def clip_coefficient(self, norm: float) -> float:
         return clip_coefficient(norm, self.config.clip_grad)

@@ -75,7 +75,7 @@ class PartTimer:
         self._layer_start: Any = None
         self._last_layer_end: Any = None
         self._emb_start: Any = None
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # module hooks' and handler wrappers' removable handles (``detach``)
         self._timed_b: dict[int, Any] | None = None  # stage -> its module, where B is timed (built at window open)
         self._owner = {  # id(module) -> its stage: F is timed unless the stage recomputes whole layers
             id(m): stage
@@ -88,9 +88,10 @@ class PartTimer:
     # -- wiring -----------------------------------------------------------------------------------------------
     def _install(self) -> None:
         self.runtime.hooks.iteration_start.append(self._begin_iteration)
-        self.runtime.wrap_handler(Kind.F, self._wrap_f)
-        self.runtime.wrap_handler(Kind.B, self._wrap_b("b"))
-        self.runtime.wrap_handler(Kind.BW, self._wrap_b("bw"))  # a fused backward: each part's B and W together
+        self._handles.append(self.runtime.wrap_handler(Kind.F, self._wrap_f))
+        self._handles.append(self.runtime.wrap_handler(Kind.B, self._wrap_b("b")))
+        # a fused backward: each part's B and W together
+        self._handles.append(self.runtime.wrap_handler(Kind.BW, self._wrap_b("bw")))
         for module in self.stages.values():
             if module.embedding is not None:
                 self._handles.append(module.embedding.register_forward_pre_hook(self._emb_pre))
@@ -104,10 +105,13 @@ class PartTimer:
                     self._handles.append(module.final_layernorm.register_forward_pre_hook(self._head_pre(module)))
 
     def detach(self) -> None:
-        """Remove the module hooks (the handler wrapper stays, inactive)."""
+        """Take out every hook and handler wrapper this timer installed (at the window's end; the samples stay)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        starts = self.runtime.hooks.iteration_start
+        if self._begin_iteration in starts:
+            starts.remove(self._begin_iteration)
         self.active = False
 
     def _begin_iteration(self, ex: Any) -> None:

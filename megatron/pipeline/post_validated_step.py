@@ -103,8 +103,7 @@ class PostValidatedStep:
 
     def _on_validated(self, v: Validation) -> None:
         iteration, lr = self._waiting.popleft()
-        stats = GradStats(norm=v.stats.norm, found_nonfinite=v.stats.found_nonfinite)
-        self._settled.append(SettledStep(iteration, lr, stats, v.skipped))
+        self._settled.append(SettledStep(iteration, lr, v.stats, v.skipped))
 
     def flush(self) -> None:
         """Validate the pending step now (ordered all-gather over the pipeline): before eval, save, exit."""

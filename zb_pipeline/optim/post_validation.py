@@ -4,10 +4,9 @@ The synchronised optimizer needs the global gradient norm and the global inf/NaN
 one reduction over all pipeline ranks at every iteration boundary, a bubble.  Post-validation removes that wait:
 
 1. **At the end of iteration i** (``PostValidator.step``, no communication) a rank unscales its gradients and takes
-   its *local* state ``L = [sum of squared grads, non-finite count]`` (already reduced over its tensor-parallel
-   group, and its data-parallel group when the optimizer is sharded -- the optimizer's ``unscale_and_local_stats``).
-   The global state can only be worse than the local one (partial sums of squares only grow, a non-finite count
-   only grows), so:
+   its *local* sum of squared grads (already reduced over its tensor-parallel group, and its data-parallel group
+   when the optimizer is sharded -- the optimizer's ``unscale_and_local_stats``).  The global state can only be worse
+   than the local one (partial sums of squares only grow, and stay inf/NaN once they are), so:
 
    - local inf/NaN: the step is certainly skipped -- do nothing now;
    - local norm already above the clip threshold: the step is certainly clipped, with a coefficient not known yet
@@ -41,14 +40,15 @@ training loop).  Nothing here imports ``megatron``.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from zb_pipeline import comm
+from zb_pipeline.optim.grad_stats import GradStats, grad_stats
+from zb_pipeline.runtime.p2p import POST_VALIDATION_SPEC
 from zb_pipeline.schedule.ir import Action, Kind
 from zb_pipeline.schedule.post_validation_pass import PV_BACK, PV_FORWARD
 
@@ -72,8 +72,8 @@ class PostValidatableOptimizer(Protocol):
     """What post-validation needs from an optimizer (each call is local: no communication across pipeline ranks)."""
 
     def unscale_and_local_stats(self) -> torch.Tensor:
-        """Unscale the gradients in place (fp16 loss scale) and return float64 ``[sum of squares, non-finite count]``
-        of the gradients this rank counts, reduced over its tensor-parallel (and, if sharded, data-parallel) group."""
+        """Unscale the gradients in place (fp16 loss scale) and return the float64 sum of squares (0-d) of the
+        gradients this rank counts, reduced over its tensor-parallel (and, if sharded, data-parallel) group."""
         ...
 
     def clip_coefficient(self, norm: float) -> float:
@@ -97,27 +97,21 @@ class PostValidatableOptimizer(Protocol):
     def zero_grad(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class GlobalStats:
-    norm: float
-    found_nonfinite: bool
-
-
 def local_state(
     stats: torch.Tensor | None, *, stepped: bool = False, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """The float64 ``[sum of squares, non-finite count, pending, stepped]`` a rank contributes (zeros on ``device``:
-    no pending step; ``stepped``: the rank updated its weights optimistically).
+    """The float64 ``[sum of squares, pending, stepped]`` a rank contributes (zeros on ``device``: no pending step;
+    ``stepped``: the rank updated its weights optimistically).
 
     The state stays on the statistics' device (it travels over the pipeline group, whose device that is); the flags
     are written by fill kernels, not copied from the host, so building it never waits for the device.
     """
     if stats is None:
-        return torch.zeros(4, dtype=torch.float64, device=device)
+        return torch.zeros(POST_VALIDATION_SPEC.shape, dtype=torch.float64, device=device)
     flags = torch.ones(2, dtype=torch.float64, device=stats.device)
     if not stepped:
         flags[1] = 0.0
-    return torch.cat([stats.detach().to(torch.float64).reshape(2), flags])
+    return torch.cat([stats.detach().to(torch.float64).reshape(1), flags])
 
 
 def sum_in_rank_order(states: list[torch.Tensor]) -> torch.Tensor:
@@ -126,14 +120,6 @@ def sum_in_rank_order(states: list[torch.Tensor]) -> torch.Tensor:
     for s in states[1:]:
         total = total + s
     return total
-
-
-def global_stats(total: torch.Tensor | Sequence[float]) -> GlobalStats:
-    """Norm and inf/NaN flag from a reduced state (same rule as the synchronised optimizer); a tensor is read to
-    the host once."""
-    sq, bad = total[:2].tolist() if isinstance(total, torch.Tensor) else total[:2]
-    nonfinite = bad > 0 or not math.isfinite(sq)
-    return GlobalStats(norm=float("nan") if nonfinite else sq**0.5, found_nonfinite=nonfinite)
 
 
 def gather_in_rank_order(state: torch.Tensor, group: comm.ProcessGroup | None) -> torch.Tensor:
@@ -148,7 +134,7 @@ def gather_in_rank_order(state: torch.Tensor, group: comm.ProcessGroup | None) -
 
 @dataclass(frozen=True)
 class SyncOutcome:
-    stats: GlobalStats
+    stats: GradStats
     skipped: bool
 
 
@@ -156,7 +142,7 @@ class SyncOutcome:
 def synchronised_step(opt: PostValidatableOptimizer, lr: float, *, pp_group: comm.ProcessGroup | None) -> SyncOutcome:
     """The synchronised optimizer over the same protocol: reduce (ordered), then skip or clip and step."""
     local = local_state(opt.unscale_and_local_stats())
-    stats = global_stats(gather_in_rank_order(local, pp_group))
+    stats = grad_stats(gather_in_rank_order(local, pp_group)[0])
     opt.update_loss_scale(stats.found_nonfinite)
     if stats.found_nonfinite:
         return SyncOutcome(stats, skipped=True)
@@ -170,7 +156,7 @@ class Pending:
 
     lr: float
     decision: str
-    state: torch.Tensor  # this rank's [sum sq, non-finite, 1]
+    state: torch.Tensor  # this rank's local_state
     snapshot: Any = None
 
 
@@ -179,7 +165,7 @@ class Validation:
     """What validation found for one iteration's step on this rank."""
 
     outcome: str  # one of OUTCOMES
-    stats: GlobalStats
+    stats: GradStats
     skipped: bool
     # Some rank's weights changed at validation (rollback, or a held step taken), so every forward run since the
     # step used wrong weights or wrong inputs: the whole pipeline replays the iteration (same on every rank).
@@ -223,7 +209,7 @@ class PostValidator:
             )
         opt = self.optimizer
         local = opt.unscale_and_local_stats()
-        mine = global_stats(local)  # a lower bound of the global state
+        mine = grad_stats(local)  # a lower bound of the global state
         if mine.found_nonfinite:
             decision, snap = HELD_NONFINITE, None
         elif opt.clip_coefficient(mine.norm) < 1.0:
@@ -246,7 +232,7 @@ class PostValidator:
         pend, self.pending = self.pending, None
         opt = self.optimizer
         values = total.tolist()  # the one host read of the validated state
-        ranks_pending = int(values[2])
+        ranks_pending = int(values[1])
         if pend is None:
             if ranks_pending != 0:
                 raise RuntimeError(f"pipeline rank {self.pp_rank}: other ranks validate a step this rank never took")
@@ -257,7 +243,7 @@ class PostValidator:
                 f"pipeline rank {self.pp_rank}: only {ranks_pending} of {self.pp_size} pipeline ranks took a step "
                 "this iteration; every rank must call PostValidator.step once per iteration"
             )
-        stats = global_stats(values)
+        stats = grad_stats(values[0])
         opt.update_loss_scale(stats.found_nonfinite)
         coeff = 1.0 if stats.found_nonfinite else opt.clip_coefficient(stats.norm)
         if pend.decision == STEPPED:
@@ -271,7 +257,7 @@ class PostValidator:
             else:
                 outcome = "validated"
         elif pend.decision == HELD_NONFINITE:
-            outcome = "held_nonfinite"  # the global state is non-finite too (counts only grow)
+            outcome = "held_nonfinite"  # the global sum of squares is non-finite too
         elif stats.found_nonfinite:
             outcome = "held_clip_nonfinite"
         else:
@@ -279,7 +265,7 @@ class PostValidator:
             outcome = "held_clip"
         opt.zero_grad()
         self.counts[outcome] += 1
-        stepped_somewhere = int(values[3]) > 0
+        stepped_somewhere = int(values[2]) > 0
         replay = stepped_somewhere if stats.found_nonfinite else coeff < 1.0
         result = Validation(outcome=outcome, stats=stats, skipped=stats.found_nonfinite, replay=replay)
         self.last = result

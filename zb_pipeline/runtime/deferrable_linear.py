@@ -137,32 +137,49 @@ class _DeferrableLinear(torch.autograd.Function):
         grad_x = grad_y.matmul(weight) if need_x else None  # [..., in]
         if not (need_w or need_b):
             return grad_x, None, None, None, None, None
-        store: WeightGradStore | None = ctx.store
         grad_y2d = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
-        if _weight_grad_goes_to_autograd(store, weight):
-            grad_w = grad_y2d.t().mm(x.reshape(-1, x.shape[-1])) if need_w else None
-            grad_b = grad_y2d.sum(0) if need_b else None
-            return grad_x, grad_w, grad_b, None, None, None
-        w_target, b_target, wgrad_fn = weight if need_w else None, ctx.bias if need_b else None, ctx.wgrad_fn
-        if store is None or not store.deferring:  # BW: now, without building the W closure
-            _linear_weight_grads(w_target, b_target, grad_y2d, x, wgrad_fn)
-        else:
-
-            def weight_grad_work() -> None:
-                _linear_weight_grads(w_target, b_target, grad_y2d, x, wgrad_fn)
-
-            store.submit(weight_grad_work)
-        return grad_x, None, None, None, None, None
+        w_target, b_target = weight if need_w else None, ctx.bias if need_b else None
+        grad_w, grad_b = _weight_grads(ctx.store, weight, w_target, b_target, grad_y2d, x, ctx.wgrad_fn)
+        return grad_x, grad_w, grad_b, None, None, None
 
 
-def _linear_weight_grads(
+def _weight_grads(
+    store: WeightGradStore | None,
+    owner: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     grad_y2d: torch.Tensor,
-    x: torch.Tensor,
+    x: torch.Tensor | None,
+    wgrad_fn: WeightGradFn | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """W of a linear, or of a bias add (``weight=None``): ``weight``'s grad += grad_y^T @ x and ``bias``'s +=
+    sum(grad_y) (``None``: not wanted; grad_y2d: [N, out], x: [..., in]).
+
+    Returned to autograd as ``(grad_w, grad_b)`` when ``owner`` (the op's first parameter) gets its gradient from
+    autograd; otherwise accumulated by this module now (no deferring store) or enqueued on the store, and
+    ``(None, None)`` is returned."""
+    if _weight_grad_goes_to_autograd(store, owner):
+        grad_w = grad_y2d.t().mm(x.reshape(-1, x.shape[-1])) if weight is not None else None
+        grad_b = grad_y2d.sum(0) if bias is not None else None
+        return grad_w, grad_b
+    if store is None or not store.deferring:  # BW: now, without building the W closure
+        _accumulate_weight_grads(weight, bias, grad_y2d, x, wgrad_fn)
+    else:
+
+        def weight_grad_work() -> None:
+            _accumulate_weight_grads(weight, bias, grad_y2d, x, wgrad_fn)
+
+        store.submit(weight_grad_work)
+    return None, None
+
+
+def _accumulate_weight_grads(
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grad_y2d: torch.Tensor,
+    x: torch.Tensor | None,
     wgrad_fn: WeightGradFn | None,
 ) -> None:
-    """A linear's W: ``weight``'s grad += grad_y^T @ x and ``bias``'s += sum(grad_y) (``None``: not wanted)."""
     if weight is not None:
         _accumulate_weight_grad(weight, grad_y2d, x.reshape(-1, x.shape[-1]), wgrad_fn)
     if bias is not None:
@@ -202,19 +219,8 @@ class _DeferrableBiasAdd(torch.autograd.Function):
         bias, store = ctx.bias_ref, ctx.store
         if not ctx.needs_input_grad[1]:
             return grad_y, None, None
-        grad_y2d = grad_y.reshape(-1, grad_y.shape[-1])
-        if _weight_grad_goes_to_autograd(store, bias):
-            return grad_y, grad_y2d.sum(0), None
-
-        if store is None or not store.deferring:
-            accumulate_grad(bias, grad_y2d.sum(0))
-            return grad_y, None, None
-
-        def bias_grad_work() -> None:
-            accumulate_grad(bias, grad_y2d.sum(0))
-
-        store.submit(bias_grad_work)
-        return grad_y, None, None
+        _, grad_b = _weight_grads(store, bias, None, bias, grad_y.reshape(-1, grad_y.shape[-1]), None, None)
+        return grad_y, grad_b, None
 
 
 def deferrable_bias_add(x: torch.Tensor, bias: torch.Tensor, store: WeightGradStore | None = None) -> torch.Tensor:

@@ -54,7 +54,7 @@ import torch
 
 from zb_pipeline.runtime.compute_handlers import DEFAULT_HANDLERS
 from zb_pipeline.runtime.generic_split import GenericSplit
-from zb_pipeline.runtime.hooks import ExecutorHooks, Handler
+from zb_pipeline.runtime.hooks import ExecutorHooks, Handler, HandlerWrap
 from zb_pipeline.runtime.p2p import PipelineCommError, PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore, bind_weight_grad_store
 from zb_pipeline.schedule.ir import Action, Kind, PairAction
@@ -130,6 +130,8 @@ class PipelineExecutor:
         self._split: dict[int, GenericSplit | None] = {}
         self._bind_stages(stages)
         self.handlers: dict[Kind, Handler] = dict(DEFAULT_HANDLERS)
+        # kind -> its handler under the wrappers, and each wrapper (innermost first) with what it built: wrap_handler
+        self._wraps: dict[Kind, tuple[Handler, list[tuple[HandlerWrap, Handler]]]] = {}
         self.hooks = ExecutorHooks()
         # Iteration state, keyed by stage * m + microbatch.
         self._saved: dict[int, tuple[torch.Tensor | None, Any]] = {}  # F -> B: (input leaf, output root)
@@ -153,11 +155,32 @@ class PipelineExecutor:
         """Run ``handler(executor, action)`` for actions of ``kind`` (a new kind, or replacing a built-in one)."""
         self.handlers[kind] = handler
 
-    def wrap_handler(self, kind: Kind, wrapper: Callable[[Handler], Handler]) -> None:
-        """Replace the handler of ``kind`` by ``wrapper(current_handler)``."""
+    def wrap_handler(self, kind: Kind, wrapper: Callable[[Handler], Handler]) -> HandlerWrap:
+        """Replace the handler of ``kind`` by ``wrapper(current_handler)``; ``remove()`` on the result takes the
+        wrapper out again (``zb_pipeline.runtime.hooks.HandlerWrap``)."""
         if kind not in self.handlers:
             raise KeyError(f"no handler for action kind {kind} to wrap; register one with set_handler")
-        self.handlers[kind] = wrapper(self.handlers[kind])
+        current = self.handlers[kind]
+        base, wraps = self._wraps.get(kind, (current, []))
+        if (wraps[-1][1] if wraps else base) is not current:  # replaced since: its wrappers went with it
+            base, wraps = current, []
+        wrap = HandlerWrap(wrapper, lambda w: self._unwrap(kind, w))
+        self.handlers[kind] = wrapper(current)
+        self._wraps[kind] = (base, [*wraps, (wrap, self.handlers[kind])])
+        return wrap
+
+    def _unwrap(self, kind: Kind, wrap: HandlerWrap) -> None:
+        base, wraps = self._wraps.get(kind, (None, []))
+        at = next((i for i, (w, _) in enumerate(wraps) if w is wrap), None)
+        if at is None or self.handlers.get(kind) is not wraps[-1][1]:  # removed, or replaced with its handler
+            return
+        handler = wraps[at - 1][1] if at else base
+        rebuilt = wraps[:at]
+        for w, _ in wraps[at + 1 :]:  # the wrappers added after it, anew over what remains
+            handler = w.wrapper(handler)
+            rebuilt.append((w, handler))
+        self.handlers[kind] = handler
+        self._wraps[kind] = (base, rebuilt)
 
     def load_plan(self, lowered: LoweredSchedule) -> None:
         """Run ``lowered`` from the next iteration on (between iterations).  It must keep this rank's stages; the

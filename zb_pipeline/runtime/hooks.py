@@ -23,8 +23,9 @@ plan_changed        after the runtime loaded another plan       ``(lowered)``
 ==================  =========================================  ======================================================
 
 Action handlers are the other extension point: ``set_handler(kind, fn)`` registers a handler for a new kind or
-replaces one (emulated compute), ``wrap_handler(kind, wrapper)`` wraps the current one (the profiler).  Both live
-on ``PipelineExecutor`` and ``PipelineRuntime``.  ``WeightGradStore.on_submit`` sees each deferred weight-gradient
+replaces one (emulated compute), ``wrap_handler(kind, wrapper)`` wraps the current one (the profiler) and returns a
+``HandlerWrap`` whose ``remove()`` takes the wrapper out again (a profiling window's end).  Both live on
+``PipelineExecutor`` and ``PipelineRuntime``.  ``WeightGradStore.on_submit`` sees each deferred weight-gradient
 work item as it is queued, and ``WeightGradStore.on_recompute`` each segment B has just rebuilt (activation
 recomputation, ``zb_pipeline.runtime.recompute``).
 """
@@ -56,6 +57,19 @@ class ExecutorHooks:
 
     def add_after_post(self, kind: Kind, fn: Callable[[Any, Any], None]) -> None:
         self.after_post.setdefault(kind, []).append(fn)
+
+
+@dataclass(eq=False)
+class HandlerWrap:
+    """One ``wrap_handler`` call: ``remove()`` takes its wrapper out of the kind's handler again (the wrappers added
+    after it are applied anew over what remains, so a wrapper must only build its handler; a no-op once the handler
+    was replaced by ``set_handler``, its wrappers with it, or once removed)."""
+
+    wrapper: Callable[[Handler], Handler]
+    _remove: Callable[[HandlerWrap], None]
+
+    def remove(self) -> None:
+        self._remove(self)
 
 
 class Extension(Protocol):

@@ -75,9 +75,9 @@ class TensorSpec:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
-# The post-validation state a SEND_PV/RECV_PV moves: float64 [sum of squared grads, non-finite count, ranks with a
-# pending step, ranks that stepped optimistically] (``zb_pipeline.optim.post_validation``).
-POST_VALIDATION_SPEC = TensorSpec((4,), torch.float64)
+# The post-validation state a SEND_PV/RECV_PV moves: float64 [sum of squared grads, ranks with a pending step, ranks
+# that stepped optimistically] (``zb_pipeline.optim.post_validation.local_state``).
+POST_VALIDATION_SPEC = TensorSpec((3,), torch.float64)
 
 
 def transfer_identity(action: Action) -> tuple[int, int, int]:

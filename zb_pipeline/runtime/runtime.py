@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from zb_pipeline.runtime.executor import PipelineExecutor
-from zb_pipeline.runtime.hooks import ExecutorHooks, Handler
+from zb_pipeline.runtime.hooks import ExecutorHooks, Handler, HandlerWrap
 from zb_pipeline.runtime.p2p import PipelineP2P
 from zb_pipeline.runtime.weight_grad_store import WeightGradStore
 from zb_pipeline.schedule import registry
@@ -281,8 +281,9 @@ class PipelineRuntime:
         """Run ``handler(executor, action)`` for training actions of ``kind`` (new, or replacing a built-in one)."""
         self.executor.set_handler(kind, handler)
 
-    def wrap_handler(self, kind: Kind, wrapper: Callable[[Handler], Handler]) -> None:
-        self.executor.wrap_handler(kind, wrapper)
+    def wrap_handler(self, kind: Kind, wrapper: Callable[[Handler], Handler]) -> HandlerWrap:
+        """Wrap the training handler of ``kind``; ``remove()`` on the result unwraps it (``PipelineExecutor``)."""
+        return self.executor.wrap_handler(kind, wrapper)
 
     def use_steps(self, steps: tuple) -> None:
         """Run a variant of this rank's part of the loaded plan from the next iteration on (post-validation)."""

@@ -2,9 +2,9 @@
 
 With post-validation every pipeline rank steps its optimizer as soon as its own backward work is done, without
 waiting for the other ranks' gradient statistics (``zb_pipeline.optim.post_validation``).  The statistics of that
-step -- each rank's ``[sum of squared grads, non-finite count, ranks pending, ranks that stepped]`` -- cross the
-pipeline during the *next* iteration's plan, which is why these actions are cross-iteration: the state a rank sends
-in iteration ``i + 1`` describes the gradients of iteration ``i``.
+step -- each rank's ``[sum of squared grads, ranks pending, ranks that stepped]`` -- cross the pipeline during
+the *next* iteration's plan, which is why these actions are cross-iteration: the state a rank sends in iteration
+``i + 1`` describes the gradients of iteration ``i``.
 
 The chain, in the fixed pipeline-rank order that the synchronised optimizer also sums in:
 
