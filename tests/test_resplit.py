@@ -487,7 +487,8 @@ def test_window_under_explicit_full_recompute(method: str, n: int) -> None:
     from zb_pipeline.schedule.profile import Profile
 
     full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", str(n)]
-    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
+    # six layers: whatever the split, a stage holds more than two (block 2 leaves one of them plain)
+    argv = [*ARGV, "--num-layers", "6", "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
     window = ["--zero-bubble-pipeline-timers-start-iter", "1", "--zero-bubble-pipeline-timers-end-iter", "3"]
     with tempfile.TemporaryDirectory() as save:
         got = run_multiprocess(_pretrain, 2, args=([*argv, *window, "--save", save],), timeout_s=240)
@@ -501,6 +502,9 @@ def test_window_under_explicit_full_recompute(method: str, n: int) -> None:
     assert parts.fixed_recompute and option.name == ("full" if (method, n) == ("uniform", 1) else f"full-{method}-{n}")
     assert (option.run, option.block) == ((1, n) if method == "block" else (n, 0))
     assert option.b_extra > 0 and min(parts.layer.f, parts.layer.b) > 0
+    # block: the layers that kept their activations were timed apart, so what the option adds to B is measured
+    # (where every layer recomputes it is the measured forward: the analytic full recompute re-runs the forward)
+    assert (option.b_extra != parts.layer.f) == (method == "block")
     # every measured stage's F, B and activation memory are its parts' under the recompute it ran, plus the
     # runtime's gap between actions -- unless the remainder it leaves the embedding (first stage) or the head (last)
     # is below 0, which that part's time is clipped at
