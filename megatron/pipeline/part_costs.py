@@ -21,10 +21,13 @@ combined into the profile's ``parts`` entry (``combine_parts``; ``zb_pipeline.sc
   largest rank's share on the window's split, so that split gives back the measured boundary
   (``ModelCosts.step_time``).
 
-Under an explicit recompute (``ModelCosts.fixed_recompute``) the parts were timed with it in force, so the option
-adds nothing to the timed B.  Under ``--recompute-granularity auto`` the window gives one layer's costs *without*
-recompute and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage the
-choice in force in the window), from the same measurements:
+Either way the window gives one layer's costs *without* recompute and each recompute option's costs besides
+(``recompute`` of ``combine_parts``, per virtual stage the choice in force in the window), from the same
+measurements.  Under an explicit recompute (``ModelCosts.fixed_recompute``: one option, every stage, its uniform
+runs or its block kept) the part timer times the B of a layer that recomputed apart from one that kept its
+activations (block: a stage's later layers); what the option adds to B is their difference, or where no layer ran
+plain the option's analytic share of the measured layer forward, the plain B the recomputing one less that
+(``_fixed_recompute``).  Under ``--recompute-granularity auto``:
 
 - an option's extra B time: where a stage ran it in the window, that stage's measured B beyond its parts' (the
   layers' without recompute, the embedding's and the head's, whose B is taken in the analytic ratio to their
@@ -36,11 +39,12 @@ choice in force in the window), from the same measurements:
   where some stages recompute calibrates the others' options too); after B the option holds what the layer without
   recompute holds (the deferred W's operands), so its ``mem_b`` is the layer's ``mem_f + mem_b`` minus its ``mem_f``;
 - what B holds while it recomputes a layer under each option (``RecomputeOption.transient``): where a stage ran it,
-  that stage's measured B transient less what the stage's other layers and head add to it
-  (``stage_planner.recompute_rest``), the median over those stages; else its analytic bytes times the calibration
-  factor;
+  that stage's measured B transient less what the stage's other layers, runs and head add to it
+  (``ModelCosts.transient_rest``), the median over those stages; else its analytic bytes times the calibration
+  factor (both also under an explicit recompute);
 - the stage totals the remainders are calibrated against (``_calibrate``) count each stage's layers with its own
-  choice, so the parts add up to every measured stage under the choice it ran.
+  choice (a block's first layers recomputing, the rest plain), so the parts add up to every measured stage under
+  the choice it ran.
 """
 
 from __future__ import annotations
