@@ -69,7 +69,7 @@ class PartTimer:
         self.params = parameter_counts(self.stages.values())  # what this rank's optimizer steps, per part
         self.cuda = any(p.is_cuda for m in self.stages.values() for p in m.parameters())
         self.active = False
-        self.samples: dict[tuple[str, str], list[float]] = {}  # (part, "f"/"b") -> ms per microbatch (layer: each)
+        self.samples: dict[tuple[str, str], list[float]] = {}  # (part, kind: f, b, rb, ..) -> ms per microbatch
         self._pending: list[tuple[str, str, Any, Any, int]] = []  # CUDA: (part, kind, start, end event, layers)
         self._in_b = False
         self._in_f = False  # inside an F action (a recomputed run's layers time their F there without autograd)
