@@ -13,6 +13,9 @@ times them inside the profiling window through declared hooks only:
 - the optimizer: this rank's own work per window iteration (``step_ms``), with the parameters it holds per part
   (``parameter_counts``).
 
+The clock leaves out the profiler's own accounting inside actions (``accounting``: its ``accounting_s``, the graph
+it walks at each recompute on the CPU), as the stage profile does.
+
 Under ``--recompute-granularity auto`` stages that recompute are left out of the part times they would distort: a
 full-recompute stage's layer F (its layers run without autograd) and the B of every stage that recomputes anything
 (its B holds the recompute).  Under an explicit recompute (``ModelCosts.fixed_recompute``, every stage alike) the
@@ -47,10 +50,10 @@ __all__ = ["PartTimer", "parameter_counts", "recomputes"]
 class PartTimer:
     """Times the parts of this rank's ``GPTStage`` s in iterations ``[start_iter, end_iter)`` of ``runtime``.
     ``layers_without_recompute``: leave out the B of every stage that recomputes anything (the window measures a
-    layer without recompute and the options apart, ``--recompute-granularity auto``); else only full recompute's
-    stages are left out and a layer's B is measured with the recompute in force.  ``step_ms``: this rank's own
-    optimizer work in the iteration just stepped (ms, None: not measured), read as each window iteration after the
-    first begins."""
+    layer without recompute and the options apart, ``--recompute-granularity auto``); else every stage's B is timed
+    with the recompute in force, a recomputing layer's tagged apart.  ``step_ms``: this rank's own optimizer work in
+    the iteration just stepped (ms, None: not measured), read as each window iteration after the first begins.
+    ``accounting``: seconds the profiler has spent so far on its own accounting inside actions (CPU), left out."""
 
     def __init__(
         self,
@@ -60,8 +63,10 @@ class PartTimer:
         end_iter: int,
         layers_without_recompute: bool = False,
         step_ms: Callable[[], float | None] | None = None,
+        accounting: Callable[[], float] | None = None,
     ) -> None:
         self.runtime, self.start_iter, self.end_iter = runtime, start_iter, end_iter
+        self.accounting = accounting
         self.layers_without_recompute = layers_without_recompute
         self.step_ms = step_ms
         self.step_samples: list[float] = []  # this rank's optimizer work per window iteration (ms)
@@ -145,7 +150,9 @@ class PartTimer:
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
-        return clock_mark(self.cuda)
+        if self.cuda or self.accounting is None:
+            return clock_mark(self.cuda)
+        return clock_mark(False) - self.accounting()  # the profiler's accounting so far is no part's time
 
     def _record(self, part: str, kind: str, start: Any, end: Any, layers: int = 1) -> None:
         """One sample of ``part``'s ``kind`` from ``start`` to ``end``; ``layers`` > 1: a run of that many layers,

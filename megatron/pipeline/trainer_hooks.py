@@ -301,6 +301,7 @@ def _measure_split(
         end_iter=replanner.end_iter,
         layers_without_recompute=auto,
         step_ms=step_ms,
+        accounting=lambda: replanner.profiler.accounting_s,
     )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"
