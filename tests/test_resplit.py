@@ -18,6 +18,7 @@ ARGV = [
     "--distributed-timeout-seconds", "60", "--eval-iters", "0", "--pipeline-model-parallel-size", "2",
 ]  # fmt: skip
 AUTO = ["--pipeline-layer-split", "auto"]
+FULL_BLOCK_1 = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
 
 def _train(
@@ -119,6 +120,8 @@ def _run(argv: list[str], world: int, split=None, at: int = 0, save: bool = Fals
         pytest.param(
             ["--pipeline-schedule", "zb-h1", "--bf16", "--untie-embeddings-and-output-weights"], marks=pytest.mark.slow
         ),
+        # an explicit block recompute: each stage's first layer recomputes, before and after the move
+        pytest.param(["--pipeline-schedule", "zb-h1", *FULL_BLOCK_1], marks=pytest.mark.slow),
     ],
 )
 def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -> None:
