@@ -259,3 +259,94 @@ def test_window_replans_an_explicit_recompute_in_force() -> None:
     assert decision.plan.layers == start.layers and decision.plan.recompute == ("selective", "selective")
     assert decision.plan.iteration == pytest.approx(start.iteration) and not decision.changes
     assert decision.current_iteration == pytest.approx(start.iteration)
+
+
+KT, KM = 3.0, 1.25  # the "measured" costs: the analytic ones in ms (x KT per GFLOP) and bytes x KM
+
+
+def _scaled(model):
+    """``model`` with every time scaled by ``KT`` and every byte count by ``KM`` (its options' runs and block kept)."""
+    from zb_pipeline.schedule.stage_planner import PartCosts
+
+    def part(q):
+        return PartCosts(f=q.f * KT, b=q.b * KT, w=q.w * KT, mem_f=q.mem_f * KM, mem_b=q.mem_b * KM)
+
+    rec = tuple(
+        dataclasses.replace(
+            o,
+            b_extra=o.b_extra * KT,
+            mem_f=o.mem_f * KM,
+            mem_b=o.mem_b * KM,
+            transient=o.transient * KM,
+            transient_bw=o.transient_bw * KM,
+        )  # fmt: skip
+        for o in model.recompute
+    )
+    return dataclasses.replace(
+        model, layer=part(model.layer), embedding=part(model.embedding), head=part(model.head), recompute=rec
+    )
+
+
+def _explicit_window(true, layers: tuple[int, ...]):
+    """The stage profile and the part timer's samples of a window that ran ``layers`` under ``true``'s explicit
+    recompute: each stage's F, B, W, memory and B transient; every layer's F, the B of a layer that recomputed (a
+    run's shared evenly among its layers) tagged ``rb``, of one that kept its activations (block: a stage's later
+    layers) ``b``, and the embedding's and the head's."""
+    from zb_pipeline.schedule.profile import Profile
+
+    (option,) = true.recompute
+    S = len(layers)
+    stage = true.stage_costs(layers, (1,) * S)
+    summaries = []
+    for s, n in enumerate(layers):
+        k = option.recomputed(n)
+        mine = {"layer": {"f": [true.layer.f] * n, "rb": [true.layer.b + option.b_extra] * k}}
+        if n > k:
+            mine["layer"]["b"] = [true.layer.b] * (n - k)
+        if s == 0:
+            mine["embedding"] = {"f": [true.embedding.f], "b": [true.embedding.b]}
+        if s == S - 1:
+            mine["head"] = {"f": [true.head.f], "b": [true.head.b]}
+        summaries.append(mine)
+    profile = Profile(
+        num_ranks=S, stage_to_rank=tuple(range(S)), f=stage.f, b=stage.b, w=stage.w, bw=(None,) * S, comm=0.0,
+        mem_f=stage.mem_f, mem_b=stage.mem_b, mem_w=stage.mem_w, stage_layers=layers,
+        mem_b_transient=stage.mem_b_transient,
+    )  # fmt: skip
+    return summaries, profile
+
+
+WINDOWS = [("full-block-2", (3, 1)), ("full-block-2", (2, 2)), ("full-uniform-2", (3, 1)), ("full", (2, 2))]
+
+
+@pytest.mark.parametrize("name,window", WINDOWS)
+def test_window_derives_an_explicit_full_recompute(name: str, window: tuple[int, ...]) -> None:
+    """The window's part model under an explicit full recompute of any method (``part_costs._fixed_recompute``):
+    the layer without recompute from the layers that kept their activations (block) or, where every layer
+    recomputed, the recomputing B less the option's analytic share of the measured forward; the option's extra B
+    the difference, its memory calibrated with its runs or block.  When the measured costs are the analytic ones
+    scaled, the derived parts and option are exactly those costs, so every split's stages -- B with the block's or
+    the runs' recompute, F's memory and B's transient -- are the true ones, the window's split included."""
+    from megatron.pipeline.part_costs import combine_parts
+    from zb_pipeline.schedule.stage_planner import ModelCosts
+
+    flags = {
+        "full": [*FULL, "uniform", "--recompute-num-layers", "1"],
+        "full-uniform-2": [*FULL, "uniform", "--recompute-num-layers", "2"],
+        "full-block-2": [*FULL, "block", "--recompute-num-layers", "2"],
+    }[name]
+    analytic = _explicit_model(parse_run_config([*MAKE_TRAIN, "--pipeline-layer-split", "auto", *flags], world_size=4))
+    true = _scaled(analytic)
+    summaries, profile = _explicit_window(true, window)
+    got = ModelCosts.from_dict(combine_parts(summaries, profile, analytic, recompute=(name,) * len(window)))
+    for part in ("layer", "embedding", "head"):
+        want, have = dataclasses.asdict(getattr(true, part)), dataclasses.asdict(getattr(got, part))
+        assert have == pytest.approx(want, rel=1e-9, abs=1e-9), part
+    (have,), (want,) = got.recompute, true.recompute
+    assert (have.name, have.run, have.block) == (want.name, want.run, want.block) and got.fixed_recompute
+    numbers = ("b_extra", "mem_f", "mem_b", "transient", "transient_bw")
+    assert [getattr(have, k) for k in numbers] == pytest.approx([getattr(want, k) for k in numbers], rel=1e-9)
+    for layers in [(1, 3), (2, 2), (3, 1)]:
+        g, t = got.stage_costs(layers, (1, 1)), true.stage_costs(layers, (1, 1))
+        for field in ("f", "b", "w", "mem_f", "mem_b", "mem_b_transient", "mem_bw_transient"):
+            assert getattr(g, field) == pytest.approx(getattr(t, field), rel=1e-9), (layers, field)

@@ -19,6 +19,7 @@ ARGV = [
     "--distributed-timeout-seconds", "60", "--eval-iters", "0", "--pipeline-model-parallel-size", "2",
 ]  # fmt: skip
 AUTO = ["--pipeline-layer-split", "auto"]
+FULL_BLOCK_1 = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"]
 
 
 def _train(
@@ -120,6 +121,8 @@ def _run(argv: list[str], world: int, split=None, at: int = 0, save: bool = Fals
         pytest.param(
             ["--pipeline-schedule", "zb-h1", "--bf16", "--untie-embeddings-and-output-weights"], marks=pytest.mark.slow
         ),
+        # an explicit block recompute: each stage's first layer recomputes, before and after the move
+        pytest.param(["--pipeline-schedule", "zb-h1", *FULL_BLOCK_1], marks=pytest.mark.slow),
     ],
 )
 def test_resplit_continues_bit_for_bit_and_resumes(tmp_path, flags: list[str]) -> None:
@@ -492,25 +495,47 @@ def test_fused_bw_schedule_with_auto_split_and_window_trains() -> None:
     assert "layer split from measured per-part costs" in log
 
 
-@pytest.mark.parametrize("method,measured", [("uniform", True), pytest.param("block", False, marks=pytest.mark.slow)])
-def test_window_under_explicit_full_recompute(method: str, measured: bool) -> None:
-    """--recompute-granularity full on every stage: with uniform runs of one layer the window times each layer's F
-    (without autograd) and B (its recompute and backward) and re-decides the split from them, the option fixed in
-    the profile's parts; with block it keeps the split the start-up planner chose with the recompute in force and
-    says so in one line.  Either way the losses are those of the run without a window."""
+@pytest.mark.parametrize(
+    "method,n",
+    [
+        ("uniform", 1),
+        ("block", 2),
+        ("uniform", 2),
+        pytest.param("block", 1, marks=pytest.mark.slow),
+    ],
+)
+def test_window_under_explicit_full_recompute(method: str, n: int) -> None:
+    """--recompute-granularity full with --recompute-method ``method`` --recompute-num-layers ``n`` on every stage:
+    the window times each layer's F (without autograd where it recomputes) and the B of each recomputed run (its
+    recompute and backward) apart from a layer that kept its activations (block: a stage's later layers), and
+    re-decides the split from them, the option fixed in the profile's parts with its run or block.  The parts add up
+    to every measured stage under the recompute it ran, and the losses are those of the run without a window."""
     import tempfile
 
-    from megatron.pipeline.trainer_hooks import FULL_RECOMPUTE_KEPT
     from zb_pipeline.schedule.profile import Profile
 
-    full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", "1"]
-    argv = [*ARGV, "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
+    full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", str(n)]
+    # six layers: whatever the split, a stage holds more than two (block 2 leaves one of them plain)
+    argv = [*ARGV, "--num-layers", "6", "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
     with tempfile.TemporaryDirectory() as save:
         log = _with_and_without_window(argv, "--save", save)
         profile = Profile.load(f"{save}/zb_profile.json")
-    assert ("layer split from measured per-part costs" in log) == measured
-    assert (FULL_RECOMPUTE_KEPT in log) != measured
-    if measured:
-        parts = profile.model_costs()
-        assert parts.fixed_recompute and [o.name for o in parts.recompute] == ["full"]
-        assert parts.recompute[0].b_extra == 0.0 and min(parts.layer.f, parts.layer.b) > 0
+    assert "layer split from measured per-part costs" in log and "layer split kept" not in log
+    parts = profile.model_costs()
+    (option,) = parts.recompute
+    assert parts.fixed_recompute and option.name == ("full" if (method, n) == ("uniform", 1) else f"full-{method}-{n}")
+    assert (option.run, option.block) == ((1, n) if method == "block" else (n, 0))
+    assert option.b_extra > 0 and min(parts.layer.f, parts.layer.b) > 0
+    # block: the layers that kept their activations were timed apart, so what the option adds to B is measured
+    # (where every layer recomputes it is the measured forward: the analytic full recompute re-runs the forward)
+    assert (option.b_extra != pytest.approx(parts.layer.f, rel=1e-9)) == (method == "block")
+    # every measured stage's F, B and activation memory are its parts' under the recompute it ran, plus the
+    # runtime's gap between actions -- unless the remainder it leaves the embedding (first stage) or the head (last)
+    # is below 0, which that part's time is clipped at
+    S, gap = profile.num_stages, profile.overhead
+    stage = parts.stage_costs(profile.stage_layers, (1,) * S)
+    assert stage.mem_f == pytest.approx(profile.mem_f, rel=1e-9)
+    for kind in ("f", "b"):
+        for s, (have, want) in enumerate(zip(getattr(stage, kind), getattr(profile, kind))):
+            clipped = any(getattr(p, kind) <= 1e-6 for p in [parts.embedding] * (s == 0) + [parts.head] * (s == S - 1))
+            assert have == pytest.approx(want + gap, rel=1e-9) or (clipped and have > want + gap), (kind, s, parts)

@@ -16,6 +16,7 @@ from zb_pipeline.schedule.stage_planner import (
     PartCosts,
     PlannerError,
     RecomputeOption,
+    evaluate_split,
     plan_stages,
     smallest_mem_limit,
 )
@@ -158,6 +159,38 @@ def test_uniform_runs_with_a_shorter_last_run() -> None:
     # the last stage's one layer is a run of one: the head's B adds its mem_b first, a BW frees what the head kept
     assert costs.mem_b_transient[1] == pytest.approx(HEAD.mem_b + 5.0)
     assert costs.mem_bw_transient[1] == pytest.approx(max(0.0, -HEAD.mem_f + 4.0))
+
+
+def test_block_recomputes_a_stages_first_layers() -> None:
+    """Full recompute of a stage's first 2 layers (block): on a stage of 3 the first two take the option (B adds
+    its ``b_extra``, F keeps its ``mem_f``) and the third keeps its activations; on a stage of 1 that one layer
+    recomputes.  B runs the plain layer's backward first (it adds its ``mem_b``), then the two recomputed layers last
+    to first; ``transient_rest`` is the stage's transient less the one layer's own."""
+    block2 = RecomputeOption("block-2", b_extra=0.7, mem_f=1.0, mem_b=2.0, transient=5.0, transient_bw=4.0, block=2)
+    mc = ModelCosts(
+        num_layers=4, layer=LAYER, embedding=EMBEDDING, head=HEAD, recompute=(block2,), fixed_recompute=True
+    )
+    costs = mc.stage_costs((3, 1), (1, 1))
+    assert costs.b[0] == pytest.approx(3 * LAYER.b + 2 * 0.7 + EMBEDDING.b)
+    assert costs.b[1] == pytest.approx(LAYER.b + 0.7 + HEAD.b)
+    assert costs.f[0] == pytest.approx(3 * LAYER.f + EMBEDDING.f)
+    assert costs.mem_f[0] == pytest.approx(2 * 1.0 + LAYER.mem_f + EMBEDDING.mem_f)
+    assert costs.mem_f[1] == pytest.approx(1.0 + HEAD.mem_f)
+    # what waits for W after B is the layers' whatever recomputes: each layer's mem_f + mem_b
+    held = 2 * 3.0 + LAYER.mem_f + LAYER.mem_b + EMBEDDING.mem_f + EMBEDDING.mem_b
+    assert costs.mem_f[0] + costs.mem_b[0] == pytest.approx(held)
+    # B: the plain layer (LAYER.mem_b = 0), then layer 1 (5.0), then layer 0 on top of layer 1's swap (3 - 1)
+    assert costs.mem_b_transient[0] == pytest.approx(LAYER.mem_b + 2.0 + 5.0)
+    # BW: the plain layer frees what F kept of it, then the recomputed layers each free their input
+    assert costs.mem_bw_transient[0] == pytest.approx(max(0.0, -LAYER.mem_f + 4.0))
+    for n, last in ((3, False), (1, True), (2, False)):
+        for fused, own in ((False, 5.0), (True, 4.0)):
+            whole = mc.stage_transient(n, 1, last=last, fused=fused)
+            assert whole == pytest.approx(max(0.0, own + mc.transient_rest(n, 1, last=last, fused=fused)))
+    # the planner's search takes the block as it is: brute force over every split agrees
+    shape = dict(schedule="zb-h1", num_ranks=2, num_microbatches=4)
+    best = min(compositions(4, 2), key=lambda layers: evaluate_split(mc, layers, **shape)[0])
+    assert plan_stages(mc, **shape).iteration == pytest.approx(evaluate_split(mc, best, **shape)[0])
 
 
 def test_step_follows_the_rank_with_the_most_optimizer_work() -> None:

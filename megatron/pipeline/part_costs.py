@@ -21,10 +21,13 @@ combined into the profile's ``parts`` entry (``combine_parts``; ``zb_pipeline.sc
   largest rank's share on the window's split, so that split gives back the measured boundary
   (``ModelCosts.step_time``).
 
-Under an explicit recompute (``ModelCosts.fixed_recompute``) the parts were timed with it in force, so the option
-adds nothing to the timed B.  Under ``--recompute-granularity auto`` the window gives one layer's costs *without*
-recompute and each recompute option's costs besides (``recompute`` of ``combine_parts``, per virtual stage the
-choice in force in the window), from the same measurements:
+Either way the window gives one layer's costs *without* recompute and each recompute option's costs besides
+(``recompute`` of ``combine_parts``, per virtual stage the choice in force in the window), from the same
+measurements.  Under an explicit recompute (``ModelCosts.fixed_recompute``: one option, every stage, its uniform
+runs or its block kept) the part timer times the B of a layer that recomputed apart from one that kept its
+activations (block: a stage's later layers); what the option adds to B is their difference, or where no layer ran
+plain the option's analytic share of the measured layer forward, the plain B the recomputing one less that
+(``_fixed_recompute``).  Under ``--recompute-granularity auto``:
 
 - an option's extra B time: where a stage ran it in the window, that stage's measured B beyond its parts' (the
   layers' without recompute, the embedding's and the head's, whose B is taken in the analytic ratio to their
@@ -36,11 +39,12 @@ choice in force in the window), from the same measurements:
   where some stages recompute calibrates the others' options too); after B the option holds what the layer without
   recompute holds (the deferred W's operands), so its ``mem_b`` is the layer's ``mem_f + mem_b`` minus its ``mem_f``;
 - what B holds while it recomputes a layer under each option (``RecomputeOption.transient``): where a stage ran it,
-  that stage's measured B transient less what the stage's other layers and head add to it
-  (``stage_planner.recompute_rest``), the median over those stages; else its analytic bytes times the calibration
-  factor;
+  that stage's measured B transient less what the stage's other layers, runs and head add to it
+  (``ModelCosts.transient_rest``), the median over those stages; else its analytic bytes times the calibration
+  factor (both also under an explicit recompute);
 - the stage totals the remainders are calibrated against (``_calibrate``) count each stage's layers with its own
-  choice, so the parts add up to every measured stage under the choice it ran.
+  choice (a block's first layers recomputing, the rest plain), so the parts add up to every measured stage under
+  the choice it ran.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zb_pipeline.schedule.profile import Profile
-from zb_pipeline.schedule.stage_planner import ModelCosts, RecomputeOption, StepShare, recompute_rest
+from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts, RecomputeOption, StepShare
 
 PARTS = ("embedding", "layer", "head")
 
@@ -96,7 +100,7 @@ def combine_parts(
     summary = statistics.median if statistic == "median" else statistics.fmean
     measured: dict[str, dict[str, float]] = {}
     for part in PARTS:
-        for kind in ("f", "b", "bw"):
+        for kind in ("f", "b", "bw", "rb", "rbw"):
             values = [v for s in summaries for v in s.get(part, {}).get(kind, ())]
             if values:
                 measured.setdefault(part, {})[kind] = float(summary(values))
@@ -111,6 +115,9 @@ def combine_parts(
     if unknown or (recompute and len(recompute) != profile.num_stages):
         raise ValueError(f"recompute choices {list(recompute)} are not one of {list(names)} per virtual stage")
     opts = [names.index(c) for c in recompute] if recompute else [0] * profile.num_stages
+    # an explicit recompute (``analytic.fixed_recompute``, in force on every stage): the layers' B timed apart
+    # by whether they recomputed give the layer without recompute and what the option adds
+    ran = _fixed_recompute(measured["layer"], analytic) if analytic.fixed_recompute else {}
     if analytic.recompute and not {"b", "bw"} & set(measured["layer"]):
         raise ValueError("the profiling window timed no layer backward without recompute (every stage recomputes)")
     last = profile.num_stages - 1
@@ -152,14 +159,16 @@ def combine_parts(
             w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
         parts[part] = {"f": f, "b": b, "w": w}
     _memory(parts, profile, analytic, opts)
-    # an explicit recompute (``analytic.fixed_recompute``) is in force on every stage: the layers' B were timed
-    # with it, so it adds nothing beyond them
-    ran = {} if analytic.fixed_recompute else _measured_recompute(parts, profile, held, opts)
+    if not analytic.fixed_recompute:
+        ran = _measured_recompute(parts, profile, held, opts)
     options = _measured_options(analytic, parts, ran, profile, opts)
-    extra = [0.0] + [o.b_extra for o in options]  # what each option adds to a layer's B
 
     def cost(s: int, part: str, kind: str) -> float:
-        return parts[part][kind] + (extra[opts[s]] if part == "layer" and kind == "b" else 0.0)
+        """A part's time on stage ``s`` (a layer's: the mean over the stage's layers, block recomputing the first)."""
+        if part != "layer" or kind != "b" or not opts[s] or not layers[s]:
+            return parts[part][kind]
+        o = options[opts[s] - 1]
+        return parts[part][kind] + o.b_extra * o.recomputed(layers[s]) / layers[s]
 
     overhead = _calibrate(parts, profile, held, cost)
     out: dict[str, Any] = {
@@ -190,11 +199,12 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
     mem_b = tuple(profile.mem_b) if profile.mem_b else (0.0,) * S
     held = [f + b for f, b in zip(profile.mem_f, mem_b)]  # what waits for W after B
     a = analytic.layer
-    kept = [a.mem_f] + [o.mem_f for o in analytic.recompute]  # what F keeps of a layer under each choice
     body = [s for s in range(S) if s < S - 1 and layers[s]] or [S - 1]  # stages whose memory is layers (+ tokens)
 
     def analytic_total(s: int) -> float:
-        return layers[s] * kept[opts[s]] + (analytic.embedding.mem_f if s == 0 else 0.0)
+        """What F keeps on stage ``s`` by the analytic model, its layers under the choice it ran, the head left out
+        (uniform runs keep one input per run, block recomputes the first layers: ``ModelCosts.stage_part``)."""
+        return analytic.stage_part(layers[s], opts[s], first=s == 0, last=False).mem_f - analytic.overhead.mem_f
 
     factors = [profile.mem_f[s] / analytic_total(s) for s in body if analytic_total(s) > 0]
     c = float(statistics.median(factors)) if factors else 1.0
@@ -203,12 +213,30 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
     per_layer = [held[s] / layers[s] for s in body if layers[s]]  # the embedding holds nothing after B
     layer_held = max(float(statistics.median(per_layer)), 0.0) if per_layer else layer_f
     last = S - 1
-    rest_f = profile.mem_f[last] - layers[last] * kept[opts[last]] * c - (emb_f if last == 0 else 0.0)
+    rest_f = profile.mem_f[last] - analytic_total(last) * c
     rest_held = held[last] - layers[last] * layer_held
     head_f = max(rest_f, 0.0)
     parts["embedding"].update(mem_f=emb_f, mem_b=-emb_f)  # its W reads the token ids, the microbatch's input
     parts["layer"].update(mem_f=layer_f, mem_b=max(layer_held, 0.0) - layer_f)
     parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
+
+
+def _fixed_recompute(layer: dict[str, float], analytic: ModelCosts) -> dict[int, float]:
+    """Under an explicit recompute the part timer times a layer that recomputed (its B: recompute and backward,
+    ``"rb"``; a fused BW: ``"rbw"``) apart from one that did not (block: a stage's later layers; ``"b"``/``"bw"``).
+    What the option adds to a layer's B is their difference; where no layer ran without it (uniform, selective, a
+    block over every layer of a stage), the option's analytic share of the measured layer forward, and the layer
+    without recompute is the recomputing one less that (in place on ``layer``, the measured layer's times).
+    Returns ``{1: the option's measured extra}`` (empty: no recomputing layer was timed)."""
+    option, a = analytic.recompute[0], analytic.layer
+    for plain, recomputing in (("b", "rb"), ("bw", "rbw")):
+        if recomputing not in layer:
+            continue
+        if plain not in layer:
+            guess = option.b_extra * (layer["f"] / a.f) if a.f > 0 else 0.0
+            layer[plain] = max(layer[recomputing] - guess, 0.0)
+        return {1: max(layer[recomputing] - layer[plain], 0.0)}
+    return {}
 
 
 def _measured_recompute(
@@ -248,33 +276,33 @@ def _measured_options(
     out = []
     for i, o in enumerate(analytic.recompute, start=1):
         keeps = o.mem_f * mem_scale
-        b_extra = 0.0 if analytic.fixed_recompute else ran.get(i, o.b_extra * time_scale)
-        swap, head = held - keeps, parts["head"]["mem_b"]
-        measured = _measured_transient(profile, opts, i, swap=swap, head=head)
+        b_extra = ran.get(i, o.b_extra * time_scale)
+        # the option's memory, its runs or block kept (the transient to be measured)
+        option = dataclasses.replace(o, b_extra=b_extra, mem_f=keeps, mem_b=held - keeps, transient=0.0)
+        measured = _measured_transient(profile, opts, i, parts, option)
         transient = o.transient * mem_scale if measured is None else measured
-        out.append(
-            RecomputeOption(
-                o.name,
-                b_extra=b_extra,
-                mem_f=keeps,
-                mem_b=held - keeps,
-                transient=transient,
-                # a BW holds less (no W waits): the analytic difference, calibrated
-                transient_bw=transient - (o.transient - o.transient_bw) * mem_scale,
-            )
-        )
+        # a BW holds less (no W waits): the analytic difference, calibrated
+        transient_bw = transient - (o.transient - o.transient_bw) * mem_scale
+        out.append(dataclasses.replace(option, transient=transient, transient_bw=transient_bw))
     return tuple(out)
 
 
-def _measured_transient(profile: Profile, opts: list[int], option: int, *, swap: float, head: float) -> float | None:
-    """One layer's B transient under ``option`` from the stages that ran it: each one's measured B transient less
-    ``recompute_rest`` of its other layers and head, their median (None: no stage ran it, or none measured one)."""
+def _measured_transient(
+    profile: Profile, opts: list[int], index: int, parts: dict[str, dict[str, float]], option: RecomputeOption
+) -> float | None:
+    """One layer's B transient under ``option`` (option ``index``) from the stages that ran it: each one's measured
+    B transient less what its other layers, runs and head add (``ModelCosts.transient_rest`` under the measured
+    parts' memory), their median (None: no stage ran it, or none measured one)."""
     measured = profile.mem_b_transient
+    if not measured:
+        return None
+    memory = {p: PartCosts(0.0, 0.0, 0.0, mem_f=q["mem_f"], mem_b=q["mem_b"]) for p, q in parts.items()}
+    model = ModelCosts(num_layers=max(sum(profile.stage_layers), 1), recompute=(option,), **memory)
     last = profile.num_stages - 1
     found = [
-        measured[s] - recompute_rest(num_layers=n, swap=swap, head=head if s == last else 0.0)
+        measured[s] - model.transient_rest(n, 1, last=s == last)
         for s, (o, n) in enumerate(zip(opts, profile.stage_layers))
-        if o == option and n and measured and measured[s] > 0
+        if o == index and n and measured[s] > 0
     ]
     return float(statistics.median(found)) if found else None
 

@@ -13,12 +13,17 @@ times them inside the profiling window through declared hooks only:
 - the optimizer: this rank's own work per window iteration (``step_ms``), with the parameters it holds per part
   (``parameter_counts``).
 
+The clock leaves out the profiler's own accounting inside actions (``accounting``: its ``accounting_s``, the graph
+it walks at each recompute on the CPU), as the stage profile does.
+
 Under ``--recompute-granularity auto`` stages that recompute are left out of the part times they would distort: a
 full-recompute stage's layer F (its layers run without autograd) and the B of every stage that recomputes anything
 (its B holds the recompute).  Under an explicit recompute (``ModelCosts.fixed_recompute``, every stage alike) the
-parts are timed with it in force: a recomputed layer's F inside the F action without autograd, its B (recompute and
-backward) between the gradient marks of its input and of the next layer's input (the head's input after the last),
-for runs of one layer.
+parts are timed with it in force: a recomputed layer's F inside the F action without autograd; the B of a recomputed
+run (its recompute and backward) between the gradient marks of its input and of the next layer's input (the head's
+input after the last), shared evenly among its layers (a uniform run's inner boundaries carry no gradient), and
+tagged apart from a layer that kept its activations (``"rb"``/``"rbw"`` beside ``"b"``/``"bw"``: block recomputes
+only a stage's first layers), so ``combine_parts`` tells the layer without recompute from what the option adds.
 
 ``gather`` is collective over the pipeline group: it combines every rank's samples with the stage profile into the
 profile's ``parts`` entry (``megatron.pipeline.part_costs.combine_parts``: W, memory, overhead, the optimizer's
@@ -45,10 +50,10 @@ __all__ = ["PartTimer", "parameter_counts", "recomputes"]
 class PartTimer:
     """Times the parts of this rank's ``GPTStage`` s in iterations ``[start_iter, end_iter)`` of ``runtime``.
     ``layers_without_recompute``: leave out the B of every stage that recomputes anything (the window measures a
-    layer without recompute and the options apart, ``--recompute-granularity auto``); else only full recompute's
-    stages are left out and a layer's B is measured with the recompute in force.  ``step_ms``: this rank's own
-    optimizer work in the iteration just stepped (ms, None: not measured), read as each window iteration after the
-    first begins."""
+    layer without recompute and the options apart, ``--recompute-granularity auto``); else every stage's B is timed
+    with the recompute in force, a recomputing layer's tagged apart.  ``step_ms``: this rank's own optimizer work in
+    the iteration just stepped (ms, None: not measured), read as each window iteration after the first begins.
+    ``accounting``: seconds the profiler has spent so far on its own accounting inside actions (CPU), left out."""
 
     def __init__(
         self,
@@ -58,8 +63,10 @@ class PartTimer:
         end_iter: int,
         layers_without_recompute: bool = False,
         step_ms: Callable[[], float | None] | None = None,
+        accounting: Callable[[], float] | None = None,
     ) -> None:
         self.runtime, self.start_iter, self.end_iter = runtime, start_iter, end_iter
+        self.accounting = accounting
         self.layers_without_recompute = layers_without_recompute
         self.step_ms = step_ms
         self.step_samples: list[float] = []  # this rank's optimizer work per window iteration (ms)
@@ -67,8 +74,8 @@ class PartTimer:
         self.params = parameter_counts(self.stages.values())  # what this rank's optimizer steps, per part
         self.cuda = any(p.is_cuda for m in self.stages.values() for p in m.parameters())
         self.active = False
-        self.samples: dict[tuple[str, str], list[float]] = {}  # (part, "f"/"b") -> ms per microbatch (layer: each)
-        self._pending: list[tuple[str, str, Any, Any]] = []  # CUDA: (part, kind, start event, end event)
+        self.samples: dict[tuple[str, str], list[float]] = {}  # (part, kind: f, b, rb, ..) -> ms per microbatch
+        self._pending: list[tuple[str, str, Any, Any, int]] = []  # CUDA: (part, kind, start, end event, layers)
         self._in_b = False
         self._in_f = False  # inside an F action (a recomputed run's layers time their F there without autograd)
         self._marks: dict[tuple[str, int], Any] | None = None  # inside a B action: boundary -> gradient time
@@ -103,6 +110,8 @@ class PartTimer:
                 self._handles.append(module.register_forward_hook(self._stage_post))
                 if module.recompute_segments and module.final_layernorm is not None:  # the last run's output
                     self._handles.append(module.final_layernorm.register_forward_pre_hook(self._head_pre(module)))
+            elif module.recompute_segments:  # the stage's output is its last run's
+                self._handles.append(module.register_forward_hook(self._run_out(module)))
 
     def detach(self) -> None:
         """Take out every hook and handler wrapper this timer installed (at the window's end; the samples stay)."""
@@ -124,10 +133,8 @@ class PartTimer:
             self._timed_b = {s: m for s, m in self.stages.items() if self._times_b(m)}
 
     def _times_b(self, module: Any) -> bool:
-        """Whether ``module``'s B is timed: not a full-recompute stage (its layers' hooks never fire), nor, with
-        ``layers_without_recompute``, a stage that recomputes anything (its B holds the recompute)."""
-        if module.recompute_segments and not _runs_of_one(module):  # a run's inner boundaries carry no gradient
-            return False
+        """Whether ``module``'s B is timed: not, with ``layers_without_recompute``, a stage that recomputes anything
+        (its B holds the recompute)."""
         return not (self.layers_without_recompute and recomputes(module))
 
     def _in_forward(self) -> bool:
@@ -142,18 +149,22 @@ class PartTimer:
         stage = self._owner.get(id(module))
         layer = stage is not None and module is not stage and module is not stage.embedding
         if layer and stage.recompute_segments:  # its recomputed runs' F runs without autograd, inside the F action
-            return self._in_f and not self.layers_without_recompute and _runs_of_one(stage)
+            return self._in_f and not self.layers_without_recompute
         return torch.is_grad_enabled()
 
     # -- clock ------------------------------------------------------------------------------------------------
     def _now(self) -> Any:
-        return clock_mark(self.cuda)
+        if self.cuda or self.accounting is None:
+            return clock_mark(self.cuda)
+        return clock_mark(False) - self.accounting()  # the profiler's accounting so far is no part's time
 
-    def _record(self, part: str, kind: str, start: Any, end: Any) -> None:
+    def _record(self, part: str, kind: str, start: Any, end: Any, layers: int = 1) -> None:
+        """One sample of ``part``'s ``kind`` from ``start`` to ``end``; ``layers`` > 1: a run of that many layers,
+        one sample per layer of its time shared evenly."""
         if self.cuda:
-            self._pending.append((part, kind, start, end))
+            self._pending.append((part, kind, start, end, layers))
         else:
-            self.samples.setdefault((part, kind), []).append((end - start) * 1e3)
+            self.samples.setdefault((part, kind), []).extend([(end - start) * 1e3 / layers] * layers)
 
     def _mark(self, key: tuple[str, int]) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
@@ -227,6 +238,17 @@ class PartTimer:
 
         return hook
 
+    def _run_out(self, stage: Any) -> Callable[[Any, Any, Any], None]:
+        """A stage without the head: its output (its last run's, when that recomputes) gets the last layer's
+        output gradient mark."""
+
+        def hook(module: Any, args: Any, out: Any) -> None:
+            if self._in_f and self._timing_forward(stage.layers[-1]) and isinstance(out, torch.Tensor):
+                if out.requires_grad:
+                    out.register_hook(self._mark(("out", len(stage.layers) - 1)))
+
+        return hook
+
     # -- B ----------------------------------------------------------------------------------------------------
     def _wrap_b(self, kind: str) -> Callable[[Callable[[Any, Any], Any]], Callable[[Any, Any], Any]]:
         """The wrapper of the B (``kind`` "b") or the fused BW ("bw") handler: times each part's backward."""
@@ -251,14 +273,16 @@ class PartTimer:
 
     def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any, kind: str) -> None:
         n = len(module.layers)
-        for i in range(n - 1):  # a recomputed layer's output is the next one's input (its own has no gradient)
+        for i in range(n - 1):  # a recomputed run's output is the next one's input (its own has no gradient)
             if ("out", i) not in marks and ("in", i + 1) in marks:
                 marks[("out", i)] = marks[("in", i + 1)]
         if module.post_process and ("loss", 0) in marks and ("out", n - 1) in marks:
             self._record("head", kind, marks[("loss", 0)], marks[("out", n - 1)])
-        for i in range(n):
-            if ("out", i) in marks and ("in", i) in marks:  # a recomputed layer's: its recompute and backward
-                self._record("layer", kind, marks[("out", i)], marks[("in", i)])
+        for start, stop, recomputed in _units(module):  # a recomputed run's: its recompute and backward
+            last = stop - 1
+            if ("out", last) in marks and ("in", start) in marks:
+                tag = "r" + kind if recomputed else kind
+                self._record("layer", tag, marks[("out", last)], marks[("in", start)], layers=stop - start)
         if module.embedding is not None and ("in", 0) in marks:
             self._record("embedding", kind, marks[("in", 0)], end)
 
@@ -268,8 +292,8 @@ class PartTimer:
         ``"step"`` its optimizer work per iteration (``"ms"``) with the parameters it holds per part (JSON-able)."""
         if self._pending:
             torch.cuda.synchronize()
-            for part, kind, start, end in self._pending:
-                self.samples.setdefault((part, kind), []).append(float(start.elapsed_time(end)))
+            for part, kind, start, end, layers in self._pending:
+                self.samples.setdefault((part, kind), []).extend([float(start.elapsed_time(end)) / layers] * layers)
             self._pending.clear()
         out: dict[str, dict[str, Any]] = {}
         for (part, kind), values in self.samples.items():
@@ -303,9 +327,18 @@ class PartTimer:
         return out
 
 
-def _runs_of_one(stage: Any) -> bool:
-    """Whether each recomputed run of ``stage`` is one layer (uniform with one layer per run, or block)."""
-    return all(stop - start == 1 for start, stop in stage.recompute_segments)
+def _units(stage: Any) -> list[tuple[int, int, bool]]:
+    """``stage``'s layers as the units its B times, first to last: ``(start, stop, recomputed)``, each recomputed
+    run one unit (its inner boundaries carry no gradient), every other layer its own; ``recomputed`` also where the
+    layer's core attention is (selective)."""
+    runs = {start: stop for start, stop in stage.recompute_segments}
+    units, i = [], 0
+    while i < len(stage.layers):
+        stop = runs.get(i, i + 1)
+        core = getattr(getattr(stage.layers[i], "self_attention", None), "recompute_core", False)
+        units.append((i, stop, i in runs or bool(core)))
+        i = stop
+    return units
 
 
 def recomputes(stage: Any) -> bool:

@@ -283,15 +283,6 @@ def _measures_split(run: RunConfig) -> bool:
     return run.parallel.layer_split == "auto" and layout is not None and layout.split == "auto"
 
 
-# Why the window keeps the start-up split under an explicit full recompute other than uniform runs of one layer
-# (docs/planner.md): the window's per-part model holds a recomputing stage's layers alike.
-FULL_RECOMPUTE_KEPT = (
-    "layer split kept: the profiling window re-decides the split under --recompute-granularity full only with "
-    "--recompute-method uniform --recompute-num-layers 1 (each layer recomputed alone); the start-up split, planned "
-    "with the recompute in force, stands"
-)
-
-
 def _measure_split(
     replanner: WindowReplanner,
     pipe: GPTPipeline,
@@ -304,16 +295,14 @@ def _measure_split(
     the split from the agreed profile on every rank (``MeasuredSplit``, kept in ``replanner.agreed``)."""
     layout = run.pipeline_layout
     auto = run.recompute.auto  # the window re-decides each stage's recompute with the split
-    split_kept = run.recompute.full and (run.recompute.method, run.recompute.num_layers) != ("uniform", 1)
-    timer = None
-    if not split_kept:  # FULL_RECOMPUTE_KEPT: no part is timed, no hook installed
-        timer = PartTimer(
-            pipe.runtime,
-            start_iter=replanner.start_iter,
-            end_iter=replanner.end_iter,
-            layers_without_recompute=auto,
-            step_ms=step_ms,
-        )
+    timer = PartTimer(
+        pipe.runtime,
+        start_iter=replanner.start_iter,
+        end_iter=replanner.end_iter,
+        layers_without_recompute=auto,
+        step_ms=step_ms,
+        accounting=lambda: replanner.profiler.accounting_s,
+    )
     bytes_per_element = run.precision.params_dtype.itemsize
     on_cuda = ctx.device.type == "cuda"
     analytic = planner_costs(  # an explicit recompute: its one option on every stage, kept
@@ -333,10 +322,6 @@ def _measure_split(
         in_force = ()
 
     def parts(profile: Profile) -> dict[str, Any] | None:
-        if timer is None:
-            if ctx.rank == 0:
-                log(FULL_RECOMPUTE_KEPT)
-            return None
         # the window's means too (collective over the pipeline group; the latency is the median profile's): they
         # predict the iteration the trainer logs at the decision, the medians plan it
         means = replanner.profiler.gather(group=ctx.pp_group, comm_ms=profile.comm, statistic="mean")

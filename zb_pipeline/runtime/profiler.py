@@ -9,7 +9,9 @@ In a window of iterations ``[start_iter, end_iter)`` an ``ActionProfiler`` attac
   batch -- what an iteration holds besides the plan);
 - the activation memory each action adds or frees and the rank's peak (``zb_pipeline.runtime.activation_memory``).
   That accounting runs after each action, outside its time; it holds each microbatch's graph root and W work
-  until its W, and what it then lets go is dropped inside the W's time, where it dies without a profiler.
+  until its W, and what it then lets go is dropped inside the W's time, where it dies without a profiler.  Under
+  recomputation it also counts, inside a B, the graph each recompute rebuilds (the store's ``on_recompute``): that
+  time is left out of the B's (``accounting_s``, which the per-part timer leaves out of its parts too).
 
 It attaches through the executor's extension points only: ``wrap_handler`` around each compute kind, the
 ``input_ready``, ``saved_for_backward`` and ``iteration_start`` hooks, and the weight-gradient store's
@@ -84,6 +86,8 @@ class ActionProfiler:
         self.gaps: list[float] = []  # ms from one action's end to the next handler call, profiler's own time out
         self._prev_end: float | None = None
         self._own_time = 0.0
+        # CPU: seconds of this profiler's own accounting inside actions so far (at each recompute), not theirs
+        self.accounting_s = 0.0
         self.boundaries: list[float] = []  # CPU: ms from an iteration's last compute action to the next one's first
         self._iteration_end: float | None = None  # the last action's end of the previous (profiled) iteration
         self._install()
@@ -129,7 +133,9 @@ class ActionProfiler:
 
     def _recomputed(self, outputs: tuple[torch.Tensor, ...]) -> None:
         if self.active and self._in_action:
-            self.activation.recomputed(outputs)
+            began = time.perf_counter()
+            self.activation.recomputed(outputs)  # walks the microbatch's graph: the profiler's time, not the B's
+            self.accounting_s += time.perf_counter() - began
 
     def _begin_iteration(self, ex: PipelineExecutor) -> None:
         self.activation.close_iteration()
@@ -165,6 +171,7 @@ class ActionProfiler:
                 self._iteration_end = None
             before = self.activation.before_action(kind, (a.stage, a.microbatch))
             self._in_action = True
+            accounted = self.accounting_s
             self._start = self._now()
             try:
                 out = inner(ex, a)
@@ -180,7 +187,8 @@ class ActionProfiler:
                 freeing = time.perf_counter()
                 released.clear()
                 freed = time.perf_counter() - freeing
-                self.times.setdefault((kind, a.stage), []).append((end - self._start + freed) * 1e3)
+                inside = self.accounting_s - accounted  # the recompute accounting inside the action
+                self.times.setdefault((kind, a.stage), []).append((end - self._start + freed - inside) * 1e3)
                 self._prev_end = end
                 self._own_time = time.perf_counter() - end  # the accounting and the release: not the gap's
             return out

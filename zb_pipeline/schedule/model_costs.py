@@ -84,17 +84,12 @@ class RecomputeOption:
         """How many of a stage's ``num_layers`` layers recompute (its first ones)."""
         return num_layers if self.block == 0 else min(self.block, num_layers)
 
+    def runs(self, num_layers: int) -> tuple[int, ...]:
+        """The recomputed runs of a stage's ``num_layers`` layers, each one's layers (``run_lengths``)."""
+        return run_lengths(self.recomputed(num_layers), self.run)
+
     def apply(self, layer: PartCosts) -> PartCosts:
         return PartCosts(f=layer.f, b=layer.b + self.b_extra, w=layer.w, mem_f=self.mem_f, mem_b=self.mem_b)
-
-
-def recompute_rest(*, num_layers: int, swap: float, head: float = 0.0) -> float:
-    """What a recomputing B (or BW) of a stage holds, beyond the first layer's own transient, above the sum before
-    it when that layer recomputes: the head's backward ran first (``head``: what it added, on the last stage), then
-    the layers last to first, each adding ``swap`` (in a B: what waits for its W less what F kept of it; in a BW:
-    less what F kept).  The layers' recomputes are alike, so the first layer's is the highest when ``swap >= 0``,
-    else the last layer's, before any swap."""
-    return max(0.0, (num_layers - 1) * swap) + head
 
 
 def run_lengths(num_layers: int, run: int) -> tuple[int, ...]:
@@ -111,12 +106,22 @@ def runs_transient(
     they add), then the runs last to first; while a run of ``n`` layers recomputes it holds ``transient`` (its first
     layer's, above what F kept of it) plus its other layers rebuilt (``rebuilt`` each), and when it is done it has
     added ``swap_run + n * swap_layer`` (in a B: what waits for its W less the one input F kept; in a BW: less that
-    input).  The highest of these points; 0 without runs."""
+    input).  The highest of these points (``transient + runs_rest(...)``), at least 0; 0 without runs."""
+    if not runs:
+        return 0.0
+    rest = runs_rest(runs, rebuilt=rebuilt, swap_run=swap_run, swap_layer=swap_layer, head=head)
+    return max(0.0, transient + rest)
+
+
+def runs_rest(runs: Sequence[int], *, rebuilt: float, swap_run: float, swap_layer: float, head: float = 0.0) -> float:
+    """What ``runs_transient``'s highest point holds beyond the one recomputing layer's own ``transient`` (the same
+    arguments; may be negative): a measured stage transient less this is that layer's (``ModelCosts.transient_rest``).
+    """
     done, top = head, -math.inf
     for n in reversed(runs):
-        top = max(top, done + transient + (n - 1) * rebuilt)
+        top = max(top, done + (n - 1) * rebuilt)
         done += swap_run + n * swap_layer
-    return max(0.0, top) if runs else 0.0
+    return top
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,7 @@ class ModelCosts:
             o = self.recompute[option - 1]
             k = o.recomputed(num_layers)
             layers = [(num_layers - k, self.layer), (k, o.apply(self.layer))]
-            kept = (k - len(run_lengths(k, o.run))) * o.mem_f  # uniform runs: one input per run, not per layer
+            kept = (k - len(o.runs(num_layers))) * o.mem_f  # uniform runs: one input per run, not per layer
         parts = [*layers, (1, self.overhead)] + [(1, self.embedding)] * first + [(1, self.head)] * last
         return PartCosts(
             f=sum(n * q.f for n, q in parts),
@@ -257,20 +262,29 @@ class ModelCosts:
     def stage_transient(self, num_layers: int, option: int, *, last: bool, fused: bool = False) -> float:
         """What a B (``fused``: a BW) of a virtual stage with ``num_layers`` layers under option ``option`` (0 =
         none: nothing) holds above the sum before it while it recomputes (``runs_transient``): in a B each run
-        swaps the input F kept for what waits for its layers' W, and the head adds its ``mem_b``; in a BW they free
-        all."""
+        swaps the input F kept for what waits for its layers' W, and the head and the layers that keep their
+        activations (block) add their ``mem_b``; in a BW they free all."""
         if option == 0:
             return 0.0
         o = self.recompute[option - 1]
-        k = o.recomputed(num_layers)
-        runs = run_lengths(k, o.run)  # uniform: the last run is shorter when the run does not divide the layers
-        if fused:  # a BW frees what it holds as it goes: a run frees the one input F kept of it
-            head = (-self.head.mem_f if last else 0.0) - (num_layers - k) * self.layer.mem_f
-            return runs_transient(
-                runs, transient=o.transient_bw, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=0.0, head=head
-            )
-        head = (self.head.mem_b if last else 0.0) + (num_layers - k) * self.layer.mem_b
-        held = o.mem_f + o.mem_b  # what a layer's deferred W waits on after B
         return runs_transient(
-            runs, transient=o.transient, rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=held, head=head
+            o.runs(num_layers),
+            transient=o.transient_bw if fused else o.transient,
+            **self._runs(num_layers, o, last=last, fused=fused),
         )
+
+    def transient_rest(self, num_layers: int, option: int, *, last: bool, fused: bool = False) -> float:
+        """``stage_transient`` less the option's own one-layer transient (``runs_rest``; may be negative): what a
+        measured stage transient holds besides that layer's."""
+        o = self.recompute[option - 1]
+        return runs_rest(o.runs(num_layers), **self._runs(num_layers, o, last=last, fused=fused))
+
+    def _runs(self, num_layers: int, o: RecomputeOption, *, last: bool, fused: bool) -> dict[str, float]:
+        """``runs_rest``'s memory arguments for a stage of ``num_layers`` layers under ``o``."""
+        plain = num_layers - o.recomputed(num_layers)  # block: the layers that keep their activations
+        if fused:  # a BW frees what it holds as it goes: a run frees the one input F kept of it
+            head = (-self.head.mem_f if last else 0.0) - plain * self.layer.mem_f
+            return dict(rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=0.0, head=head)
+        head = (self.head.mem_b if last else 0.0) + plain * self.layer.mem_b
+        held = o.mem_f + o.mem_b  # what a layer's deferred W waits on after B
+        return dict(rebuilt=self.layer.mem_f, swap_run=-o.mem_f, swap_layer=held, head=head)

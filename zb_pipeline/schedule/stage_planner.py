@@ -46,8 +46,8 @@ from zb_pipeline.schedule.model_costs import (  # the per-part model, importable
     PartCosts,
     RecomputeOption,
     StepShare,
-    recompute_rest,
     run_lengths,
+    runs_rest,
     runs_transient,
 )
 from zb_pipeline.schedule.simulate import simulate
@@ -65,8 +65,8 @@ __all__ = [
     "evaluate_split",
     "even_split",
     "plan_stages",
-    "recompute_rest",
     "run_lengths",
+    "runs_rest",
     "runs_transient",
     "smallest_mem_limit",
 ]
