@@ -8,9 +8,9 @@ and norm weights.  The same operations in the same order as torch's single-tenso
     buf <- d  (first step)   or   buf <- momentum * buf + d
     p <- p - lr * buf
 
-With ``--sgd-momentum 0`` there is no buffer and ``p <- p - lr * d``.  Multi-tensor: each line is one
-``torch._foreach_*`` call per parameter group and device/dtype (``megatron.optimizer.tensor_lists``), elementwise
-the same arithmetic.
+With ``--sgd-momentum 0`` there is no buffer and ``p <- p - lr * d``.  Multi-tensor: after a parameter's first
+step each line is one ``torch._foreach_*`` call per parameter group and device/dtype (on the CPU per cache-sized
+block; ``megatron.optimizer.tensor_lists``), elementwise the same arithmetic.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron.optimizer.grad_norm import grad_of
-from megatron.optimizer.tensor_lists import by_device_and_dtype
+from megatron.optimizer.tensor_lists import multi_tensor_groups
 from megatron.optimizer.update_rule import UpdateRule
 
 
@@ -33,30 +33,28 @@ class SGD(UpdateRule):
         momentum = self.config.sgd_momentum
         self.step_count += 1
         for group in self.param_groups:
-            params, grads = [], []
+            wd = group.weight_decay
+            params, grads, bufs = [], [], []
             for p in group.params:
                 g = grad_of(p)
-                if g is not None:
-                    params.append(p)
-                    grads.append(g.float())
-            for ps, gs in by_device_and_dtype(params, grads):
-                ds = torch._foreach_add(gs, ps, alpha=group.weight_decay) if group.weight_decay != 0.0 else gs
+                if g is None:
+                    continue
+                d = g.float()
+                st = self.state.get(id(p))
+                if momentum != 0.0 and st is None:  # torch starts the buffer as a copy of the first update
+                    buf = (d.add(p, alpha=wd) if wd != 0.0 else d).clone()
+                    self.state[id(p)] = {"momentum_buffer": buf}
+                    p.add_(buf, alpha=-lr)
+                    continue
+                params.append(p)
+                grads.append(d)
                 if momentum != 0.0:
-                    ds = self._momentum(ps, ds, momentum)
-                torch._foreach_add_(ps, ds, alpha=-lr)
-
-    def _momentum(self, params: list[torch.Tensor], ds: list[torch.Tensor], momentum: float) -> list[torch.Tensor]:
-        """``buf <- momentum * buf + d`` per parameter (a copy of ``d`` on its first step, as torch); the buffers."""
-        bufs, old_bufs, old_ds = [], [], []
-        for p, d in zip(params, ds):
-            st = self.state.get(id(p))
-            if st is None:  # torch starts the buffer as a copy of the first update
-                self.state[id(p)] = st = {"momentum_buffer": d.clone()}
-            else:
-                old_bufs.append(st["momentum_buffer"])
-                old_ds.append(d)
-            bufs.append(st["momentum_buffer"])
-        if old_bufs:
-            torch._foreach_mul_(old_bufs, momentum)
-            torch._foreach_add_(old_bufs, old_ds)
-        return bufs
+                    bufs.append(st["momentum_buffer"])  # type: ignore[index]
+            if momentum == 0.0:
+                for ps, gs in multi_tensor_groups(params, grads):
+                    torch._foreach_add_(ps, torch._foreach_add(gs, ps, alpha=wd) if wd != 0.0 else gs, alpha=-lr)
+                continue
+            for ps, gs, bs in multi_tensor_groups(params, grads, bufs):
+                torch._foreach_mul_(bs, momentum)
+                torch._foreach_add_(bs, torch._foreach_add(gs, ps, alpha=wd) if wd != 0.0 else gs)
+                torch._foreach_add_(ps, bs, alpha=-lr)
