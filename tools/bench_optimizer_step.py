@@ -12,9 +12,12 @@ a data-parallel ``main_grad`` buffer (dp = 1) and the trainer's ``MainParamOptim
 - ``update``: the update rule alone (``update_rule.step``), and
 - ``zero_grad``: ``UpdateRule.zero_grad`` over the main parameters.
 
-The gradients are put back before every call (untimed), so each call does the same work (clipped, as early in a
-run). Wall time and the thread's CPU time (``time.thread_time``) are both reported: on a shared machine the
-CPU time is what the step costs.
+Before every call (untimed) the gradients are put back, so each call does the same work (clipped, as early in a
+run), and a 64 MiB buffer is written, so each call starts with cold caches as in the trainer, where the
+pipeline's forward and backward work runs between two steps (with warm caches, one stage's optimizer state
+fits the L3 cache of a small machine and the timings no longer show its memory traffic). Wall time and the
+thread's CPU time (``time.thread_time``) are both reported: on a shared machine the CPU time is what the step
+costs.
 """
 
 from __future__ import annotations
@@ -71,8 +74,11 @@ def bench_stage(stage: int, *, optimizer: str, bf16: bool, calls: int) -> dict[s
     opt.reducer = reducer
     grads = torch.randn(reducer.buffer.shape, generator=torch.Generator().manual_seed(stage)) * 1e-2
 
+    flush = torch.empty(16 << 20)  # 64 MiB, more than the last-level cache
+
     def put_grads() -> None:
         reducer.buffer.copy_(grads)
+        flush.fill_(0.0)
 
     rule = opt.update_rule
     opt.step(1e-4)  # the first step creates the optimizer state
