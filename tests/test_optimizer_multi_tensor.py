@@ -2,8 +2,7 @@
 CPU: AdamW and SGD directly (weight decay on and off, parameters without a gradient, a bf16 parameter with a bf16
 ``.grad`` instead of ``main_grad``, a non-contiguous one), through fp32 main parameters of bf16 and fp16
 (loss-scaled) models with clipping, and over the distributed optimizer's flat shards, with a post-validation
-snapshot/restore in the middle; each with the CPU's cache blocks as they are and cut to 7 elements (tensors split
-into views across blocks, blocks across tensors).
+snapshot/restore in the middle.
 
 The reference is the per-tensor loop of torch's formulas, kept here (``_loop_adamw_step``, ``_loop_sgd_step``;
 ``torch.optim.AdamW`` itself only agrees to rounding, tests/test_optimizer.py).  Tolerance: exact
@@ -28,18 +27,10 @@ from megatron.optimizer import (
     build_update_rule,
     default_no_weight_decay,
     grad_of,
-    tensor_lists,
 )
 from megatron.parallel.data_parallel import DataParallelReducer
 
 LRS = [0.01, 0.03, 0.02, 0.005, 0.04]
-
-
-@pytest.fixture(params=["default", 7])
-def block(request, monkeypatch) -> None:
-    """The CPU block size: as shipped (these tensors fit one block) and 7 elements (views and mixed blocks)."""
-    if request.param != "default":
-        monkeypatch.setattr(tensor_lists, "CPU_BLOCK_NUMEL", request.param)
 
 
 def _loop_adamw_step(rule: UpdateRule, lr: float) -> None:
@@ -134,7 +125,7 @@ def _assert_rules_equal(ours: UpdateRule, ref: UpdateRule) -> None:
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
 @pytest.mark.parametrize("weight_decay,momentum", [(0.1, 0.9), (0.0, 0.0)])
-def test_update_rule_equals_the_per_tensor_loop(optimizer: str, weight_decay: float, momentum: float, block) -> None:
+def test_update_rule_equals_the_per_tensor_loop(optimizer: str, weight_decay: float, momentum: float) -> None:
     cfg = OptimizerConfig(optimizer=optimizer, weight_decay=weight_decay, sgd_momentum=momentum, adam_beta2=0.95)
     ours, ref = _named(), _named()
     for named in (ours, ref):  # a bf16 parameter among fp32 ones (its own group), a non-contiguous one
@@ -199,7 +190,7 @@ def _set_grads(opt: MainParamOptimizer, step: int) -> None:
 @pytest.mark.parametrize(
     "cls,precision", [(MainParamOptimizer, "bf16"), (MainParamOptimizer, "fp16"), (DistributedOptimizer, "fp32")]
 )
-def test_main_param_step_equals_the_per_tensor_loop(cls: type, precision: str, optimizer: str, block) -> None:
+def test_main_param_step_equals_the_per_tensor_loop(cls: type, precision: str, optimizer: str) -> None:
     ours, ref = (_main_params(cls, optimizer, precision, loop) for loop in (False, True))
     assert type(ref.update_rule) is LOOP_RULES[optimizer] and type(ours.update_rule) is not LOOP_RULES[optimizer]
     if cls is DistributedOptimizer:

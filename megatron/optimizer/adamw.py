@@ -8,11 +8,10 @@ shards exactly this state. The update is torch's AdamW formula, so the two agree
     m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-Multi-tensor: each line is one ``torch._foreach_*`` call per parameter group and device/dtype (on the CPU per
-cache-sized block; ``megatron.optimizer.tensor_lists``), the operations of the per-tensor loop in the same order,
-so every element sees the same arithmetic (bit-identical on the CPU; tests/test_optimizer_multi_tensor.py keeps
-the loop as the reference).  Parameters are updated in place (the fp32 main parameters,
-``megatron.optimizer.main_params``).
+Multi-tensor: each line is one ``torch._foreach_*`` call per parameter group and device/dtype
+(``megatron.optimizer.tensor_lists``), the operations of the per-tensor loop in the same order, so every element
+sees the same arithmetic (bit-identical on the CPU; tests/test_optimizer_multi_tensor.py keeps the loop as the
+reference).  Parameters are updated in place (the fp32 main parameters, ``megatron.optimizer.main_params``).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import math
 import torch
 
 from megatron.optimizer.grad_norm import grad_of
-from megatron.optimizer.tensor_lists import mul_, multi_tensor_groups
+from megatron.optimizer.tensor_lists import by_device_and_dtype, mul_
 from megatron.optimizer.update_rule import UpdateRule
 
 
@@ -51,7 +50,7 @@ class AdamW(UpdateRule):
                 grads.append(g.float())
                 exp_avgs.append(st["exp_avg"])
                 exp_avg_sqs.append(st["exp_avg_sq"])
-            for ps, gs, ms, vs in multi_tensor_groups(params, grads, exp_avgs, exp_avg_sqs):
+            for ps, gs, ms, vs in by_device_and_dtype(params, grads, exp_avgs, exp_avg_sqs):
                 if group.weight_decay != 0.0:
                     mul_(ps, 1.0 - lr * group.weight_decay)
                 torch._foreach_lerp_(ms, gs, 1.0 - b1)

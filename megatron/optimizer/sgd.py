@@ -9,8 +9,8 @@ and norm weights.  The same operations in the same order as torch's single-tenso
     p <- p - lr * buf
 
 With ``--sgd-momentum 0`` there is no buffer and ``p <- p - lr * d``.  Multi-tensor: after a parameter's first
-step each line is one ``torch._foreach_*`` call per parameter group and device/dtype (on the CPU per cache-sized
-block; ``megatron.optimizer.tensor_lists``), elementwise the same arithmetic.
+step each line is one ``torch._foreach_*`` call per parameter group and device/dtype
+(``megatron.optimizer.tensor_lists``), elementwise the same arithmetic.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron.optimizer.grad_norm import grad_of
-from megatron.optimizer.tensor_lists import multi_tensor_groups
+from megatron.optimizer.tensor_lists import by_device_and_dtype
 from megatron.optimizer.update_rule import UpdateRule
 
 
@@ -51,10 +51,10 @@ class SGD(UpdateRule):
                 if momentum != 0.0:
                     bufs.append(st["momentum_buffer"])  # type: ignore[index]
             if momentum == 0.0:
-                for ps, gs in multi_tensor_groups(params, grads):
+                for ps, gs in by_device_and_dtype(params, grads):
                     torch._foreach_add_(ps, torch._foreach_add(gs, ps, alpha=wd) if wd != 0.0 else gs, alpha=-lr)
                 continue
-            for ps, gs, bs in multi_tensor_groups(params, grads, bufs):
+            for ps, gs, bs in by_device_and_dtype(params, grads, bufs):
                 torch._foreach_mul_(bs, momentum)
                 torch._foreach_add_(bs, torch._foreach_add(gs, ps, alpha=wd) if wd != 0.0 else gs)
                 torch._foreach_add_(ps, bs, alpha=-lr)
