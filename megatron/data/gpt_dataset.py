@@ -258,3 +258,18 @@ def sample_dict(tokens: np.ndarray) -> dict:
         "labels": t[1:].clone(),
         "loss_mask": torch.ones(n, dtype=torch.float32, device="cpu"),
     }
+
+
+def batch_dict(tokens: np.ndarray) -> dict:
+    """``sample_dict`` of every row of int64 ``tokens`` ``[b, seq_length + 1]``, collated: the same batch as stacking
+    the samples' dicts, built as three tensors instead of three per sample (``megatron.microbatches.load_microbatch``);
+    the copies are NumPy's (a torch call costs more than copying a microbatch)."""
+    import torch
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    b, n = tokens.shape[0], tokens.shape[1] - 1
+    return {
+        "tokens": torch.from_numpy(tokens[:, :-1].copy()),
+        "labels": torch.from_numpy(tokens[:, 1:].copy()),
+        "loss_mask": torch.ones(b, n, dtype=torch.float32, device="cpu"),
+    }

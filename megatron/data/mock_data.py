@@ -15,6 +15,7 @@ Samples follow Megatron's GPT dataset: ``tokens`` (inputs), ``labels`` (inputs s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,20 +57,25 @@ class MarkovChain:
         successors = rng.integers(0, vocab_size, size=(vocab_size, len(p)), dtype=np.int64)
         return cls(successors=successors, cumulative=np.cumsum(p))
 
+    @functools.cached_property
+    def _successor_lists(self) -> list[list[int]]:
+        """``successors`` as Python lists: the walk's one lookup per token is a list index, not a NumPy scalar
+        lookup (several times slower)."""
+        return self.successors.tolist()
+
     def sample(self, seed: int, split: int, index: int, length: int) -> np.ndarray:
         """``length`` tokens of sample ``index`` of ``split``: a walk starting from a uniformly drawn token."""
         rng = np.random.Generator(np.random.Philox(key=[seed, (split << 48) | index]))
         start = int(rng.integers(self.vocab_size))
         choices = np.searchsorted(self.cumulative, rng.random(length - 1), side="right")
         choices = np.minimum(choices, self.successors.shape[1] - 1)
-        out = np.empty(length, dtype=np.int64)
-        out[0] = start
+        succ = self._successor_lists
+        walk = [start]
         tok = start
-        succ = self.successors
-        for i, c in enumerate(choices.tolist(), start=1):
-            tok = int(succ[tok, c])
-            out[i] = tok
-        return out
+        for c in choices.tolist():
+            tok = succ[tok][c]
+            walk.append(tok)
+        return np.array(walk, dtype=np.int64)
 
 
 class MockGPTDataset:

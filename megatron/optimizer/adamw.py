@@ -8,7 +8,10 @@ shards exactly this state. The update is torch's AdamW formula, so the two agree
     m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
     p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-Parameters are updated in place (the fp32 main parameters, ``megatron.optimizer.main_params``).
+Multi-tensor: each line is one ``torch._foreach_*`` call per parameter group and device/dtype
+(``megatron.optimizer.tensor_lists``), the operations of the per-tensor loop in the same order, so every element
+sees the same arithmetic (bit-identical on the CPU; tests/test_optimizer_multi_tensor.py keeps the loop as the
+reference).  Parameters are updated in place (the fp32 main parameters, ``megatron.optimizer.main_params``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import torch
 
 from megatron.optimizer.grad_norm import grad_of
+from megatron.optimizer.tensor_lists import by_device_and_dtype, mul_
 from megatron.optimizer.update_rule import UpdateRule
 
 
@@ -36,16 +40,23 @@ class AdamW(UpdateRule):
         step_size = lr / (1.0 - b1**t)
         bc2_sqrt = math.sqrt(1.0 - b2**t)
         for group in self.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
             for p in group.params:
                 g = grad_of(p)
                 if g is None:
                     continue
-                g = g.float()
                 st = self.state_of(p)
-                m, v = st["exp_avg"], st["exp_avg_sq"]
+                params.append(p)
+                grads.append(g.float())
+                exp_avgs.append(st["exp_avg"])
+                exp_avg_sqs.append(st["exp_avg_sq"])
+            for ps, gs, ms, vs in by_device_and_dtype(params, grads, exp_avgs, exp_avg_sqs):
                 if group.weight_decay != 0.0:
-                    p.mul_(1.0 - lr * group.weight_decay)
-                m.lerp_(g, 1.0 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-                denom = (v.sqrt() / bc2_sqrt).add_(cfg.adam_eps)
-                p.addcdiv_(m, denom, value=-step_size)
+                    mul_(ps, 1.0 - lr * group.weight_decay)
+                torch._foreach_lerp_(ms, gs, 1.0 - b1)
+                torch._foreach_mul_(vs, b2)
+                torch._foreach_addcmul_(vs, gs, gs, value=1.0 - b2)
+                denoms = torch._foreach_sqrt(vs)
+                torch._foreach_div_(denoms, bc2_sqrt)
+                torch._foreach_add_(denoms, cfg.adam_eps)
+                torch._foreach_addcdiv_(ps, ms, denoms, value=-step_size)

@@ -42,6 +42,7 @@ from megatron.config.precision import PrecisionConfig
 from megatron.optimizer.grad_norm import GradStats, clip_coefficient, owns_grad, reduce_grad_stats, sum_squares
 from megatron.optimizer.loss_scaler import LossScaler, build_loss_scaler
 from megatron.optimizer.registry import build_update_rule
+from megatron.optimizer.tensor_lists import by_device_and_dtype, mul_
 from megatron.optimizer.update_rule import default_no_weight_decay
 from zb_pipeline import comm
 from zb_pipeline.optim.grad_stats import grad_stats
@@ -150,9 +151,7 @@ class MainParamOptimizer:
         start = time.perf_counter()
         scale = self.scaler.scale
         if scale != 1.0:
-            inv = 1.0 / scale
-            for s in self.shards:
-                s.grad.mul_(inv)
+            self._scale_grads(1.0 / scale)
         local = self._local_stats()
         self._stats_s, self.last_step_ms = time.perf_counter() - start, None
         return local
@@ -178,12 +177,16 @@ class MainParamOptimizer:
         """Scale the gradients by ``coeff`` (if below 1), apply the update rule, publish."""
         start = time.perf_counter()
         if coeff < 1.0:
-            for s in self.shards:
-                s.grad.mul_(coeff)
+            self._scale_grads(coeff)
         self.update_rule.step(lr)
         self.publish()
         if self.timed:
             self.last_step_ms = (self._stats_s + time.perf_counter() - start) * 1e3
+
+    def _scale_grads(self, factor: float) -> None:
+        """Every main gradient of this rank's shards times ``factor`` (one multi-tensor call per device/dtype)."""
+        for (grads,) in by_device_and_dtype([s.grad for s in self.shards]):
+            mul_(grads, factor)
 
     def update_loss_scale(self, found_nonfinite: bool) -> None:
         self.scaler.update(found_nonfinite)

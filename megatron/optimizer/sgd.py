@@ -8,7 +8,9 @@ and norm weights.  The same operations in the same order as torch's single-tenso
     buf <- d  (first step)   or   buf <- momentum * buf + d
     p <- p - lr * buf
 
-With ``--sgd-momentum 0`` there is no buffer and ``p <- p - lr * d``.
+With ``--sgd-momentum 0`` there is no buffer and ``p <- p - lr * d``.  Multi-tensor: after a parameter's first
+step each line is one ``torch._foreach_*`` call per parameter group and device/dtype
+(``megatron.optimizer.tensor_lists``), elementwise the same arithmetic.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from megatron.optimizer.grad_norm import grad_of
+from megatron.optimizer.tensor_lists import by_device_and_dtype
 from megatron.optimizer.update_rule import UpdateRule
 
 
@@ -30,18 +33,28 @@ class SGD(UpdateRule):
         momentum = self.config.sgd_momentum
         self.step_count += 1
         for group in self.param_groups:
+            wd = group.weight_decay
+            params, grads, bufs = [], [], []
             for p in group.params:
                 g = grad_of(p)
                 if g is None:
                     continue
                 d = g.float()
-                if group.weight_decay != 0.0:
-                    d = d.add(p, alpha=group.weight_decay)
+                st = self.state.get(id(p))
+                if momentum != 0.0 and st is None:  # torch starts the buffer as a copy of the first update
+                    buf = (d.add(p, alpha=wd) if wd != 0.0 else d).clone()
+                    self.state[id(p)] = {"momentum_buffer": buf}
+                    p.add_(buf, alpha=-lr)
+                    continue
+                params.append(p)
+                grads.append(d)
                 if momentum != 0.0:
-                    st = self.state.get(id(p))
-                    if st is None:  # torch starts the buffer as a copy of the first update
-                        self.state[id(p)] = st = {"momentum_buffer": d.clone()}
-                    else:
-                        st["momentum_buffer"].mul_(momentum).add_(d)
-                    d = st["momentum_buffer"]
-                p.add_(d, alpha=-lr)
+                    bufs.append(st["momentum_buffer"])  # type: ignore[index]
+            if momentum == 0.0:
+                for ps, gs in by_device_and_dtype(params, grads):
+                    torch._foreach_add_(ps, torch._foreach_add(gs, ps, alpha=wd) if wd != 0.0 else gs, alpha=-lr)
+                continue
+            for ps, gs, bs in by_device_and_dtype(params, grads, bufs):
+                torch._foreach_mul_(bs, momentum)
+                torch._foreach_add_(bs, torch._foreach_add(gs, ps, alpha=wd) if wd != 0.0 else gs)
+                torch._foreach_add_(ps, bs, alpha=-lr)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.config.optimizer import OptimizerConfig
+from megatron.optimizer.tensor_lists import by_device_and_dtype
 
 
 def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -75,11 +76,14 @@ class UpdateRule:
 
     def zero_grad(self) -> None:
         """Zero the gradients the optimizer reads (main_grad buffers in place, or drop ``.grad``)."""
+        mains = []
         for p in self.params:
             main = getattr(p, "main_grad", None)
             if main is not None:
-                main.zero_()
+                mains.append(main)
             p.grad = None
+        for (group,) in by_device_and_dtype(mains):
+            torch._foreach_zero_(group)
 
     def state_dict(self) -> dict[str, object]:
         """Optimizer state keyed by parameter name (tensors and plain data only)."""
