@@ -221,7 +221,8 @@ def run_emulated(
             key = f"{name}/{m}"
             # skip the first round (warm-up); per iteration the slowest rank, then the median over iterations
             its = range(1 if iterations > 1 else 0, iterations)
-            span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
+            spans = [max(r["cases"][key]["spans"][i] for r in res) for i in range(iterations)]  # slowest rank's
+            span = statistics.median(spans[i] for i in its)
             whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
             sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
             costs = emulated_costs(name, p, lat, emu)  # the plan came from rank 0: no second search
@@ -236,6 +237,7 @@ def run_emulated(
                     "m": m,
                     "schedule": name,
                     "measured_span_ms": span,
+                    "iteration_spans_ms": spans,  # every iteration's, the warm-up included
                     "simulated_ms": sim.makespan,
                     "error": span / sim.makespan - 1,
                     "in_pipeline_latency_ms": lat_in,
