@@ -3,11 +3,13 @@
 Every F, B and W sleeps its cost (``zb_pipeline.runtime.emulate``) with real gloo P2P between ``p`` processes, for
 every registered schedule planned for those costs; the measured span of an iteration (from the trace) is compared
 with the simulator's makespan under T_comm = the measured gloo latency, and with the per-hop cost measured inside
-the running pipeline.
+the running pipeline.  Every case is planned before any is run, and the cases run in turns (one iteration of each
+per round), each iteration starting with a barrier.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +69,23 @@ def emulated_plan(name: str, p: int, m: int, comm_ms: float, emu: EmulatedCosts 
     return registry.generate(name, p, m, chunks=costs.num_stages // p, costs=costs)
 
 
+def _plan_cases(
+    rank: int, world: int, cases: list[tuple[str, int]], latency: float, emu_costs: EmulatedCosts
+) -> dict[str, Schedule]:
+    """Every case planned before any is run (a rank planning while others run a measured iteration takes a core
+    from them): rank ``r`` plans cases ``r``, ``r + world``, ...; the plans are gathered on every rank (the group's
+    timeout).  The latency is agreed, so the plans are those every rank would make."""
+    mine = {
+        f"{name}/{m}": plan_to_dict(emulated_plan(name, world, m, latency, emu_costs))
+        for i, (name, m) in enumerate(cases)
+        if i % world == rank
+    }
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    merged = {key: d for part in gathered for key, d in part.items()}
+    return {f"{name}/{m}": plan_from_dict(merged[f"{name}/{m}"]) for name, m in cases}  # in the cases' order
+
+
 def _emulated_rank(
     rank: int, world: int, cases: list[tuple[str, int]], iterations: int, emu_costs: EmulatedCosts, spin_s: float
 ) -> dict:
@@ -78,11 +97,12 @@ def _emulated_rank(
         pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30, idle_s=IDLE_S
     )
     hot = measure_p2p_latency(pp_rank=rank, pp_ranks=list(range(world)), shape=specs_shape, repeats=30)
-    out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}}
-    for name, m in cases:
-        sched = emulated_plan(
-            name, world, m, latency, emu_costs
-        )  # the latency is agreed: every rank makes the same plan
+    timeline: list[tuple[str, str, int, float, float]] = []  # (plan | run, case, iteration, start, end), monotonic
+    t_plan = time.monotonic()
+    plans = _plan_cases(rank, world, cases, latency, emu_costs)
+    timeline.append(("plan", "*", -1, t_plan, time.monotonic()))
+    runs = {}  # every case's executor, kept alive over the rounds
+    for key, sched in plans.items():
         specs = [TensorSpec(specs_shape)] * (sched.num_stages - 1)
         tracer = Tracer(rank)
         p2p = PipelineP2P(pp_rank=rank, boundary_specs=specs, timeout_s=120, tracer=tracer)
@@ -92,29 +112,32 @@ def _emulated_rank(
         )
         emu = EmulatedCompute(emu_costs, chunks=sched.chunks, boundary_specs=specs, spin_s=spin_s)
         emu.attach(ex)
-        spans, iters, sends, waits = [], [], [], []
-        for it in range(iterations):
+        runs[key] = (ex, emu, tracer)
+    out = {"latency_ms": latency, "hot_latency_ms": hot, "cases": {}, "timeline": timeline}
+    for key in plans:
+        out["cases"][key] = {"spans": [], "iterations": [], "sends": [], "waits": [], "trace": []}
+        if rank == 0:
+            out["cases"][key]["plan"] = plan_to_dict(plans[key])
+    # Round-robin: every case runs one iteration per round, so a stretch of host noise hits one iteration of many
+    # cases rather than many iterations of one.  ``align`` starts each iteration with a barrier (the group's timeout).
+    for it in range(iterations):
+        for key, (ex, emu, tracer) in runs.items():
+            res = out["cases"][key]
             tracer.align()
             t0 = time.perf_counter()
+            t_run = time.monotonic()
             ex.run(it)
             emu.optimizer_step()
-            iters.append((time.perf_counter() - t0) * 1e3)
-            spans.append(compute_span_ms(tracer, it))
+            res["iterations"].append((time.perf_counter() - t0) * 1e3)
+            timeline.append(("run", key, it, t_run, time.monotonic()))
+            res["spans"].append(compute_span_ms(tracer, it))
             if it > 0 or iterations == 1:
                 got_sends, got_waits = _transfer_times(tracer.events, tracer._t0, it)
-                sends += got_sends
-                waits += got_waits
-            last = list(tracer.events)  # the last iteration's trace: its critical path is walked in the parent
+                res["sends"] += got_sends
+                res["waits"] += got_waits
+            res["trace"] = list(tracer.events)  # the last iteration's trace: its critical path is walked in the parent
             tracer.events.clear()
-        out["cases"][f"{name}/{m}"] = {
-            "spans": spans,
-            "iterations": iters,
-            "sends": sends,
-            "waits": waits,
-            "trace": last,
-        }
-        if rank == 0:
-            out["cases"][f"{name}/{m}"]["plan"] = plan_to_dict(sched)
+    out["max_rss_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     dist.barrier()
     return out
 
@@ -174,7 +197,7 @@ def run_emulated(
     """Every schedule at every (p, m) under the emulated costs ``emu``; ``spin_s`` as in ``sleep_until`` (``None``:
     ``spin_for(p)``, no spin when the ranks outnumber the cores)."""
     rows = []
-    latencies, hot_latencies, spins = {}, {}, {}
+    latencies, hot_latencies, spins, rss = {}, {}, {}, {}
     for p in ps:
         cases = []
         for m in ms:
@@ -192,11 +215,14 @@ def run_emulated(
         lat = statistics.median(r["latency_ms"] for r in res)
         latencies[p] = lat
         hot_latencies[p] = statistics.median(r["hot_latency_ms"] for r in res)
+        rss[p] = sum(r["max_rss_kib"] for r in res) / 1024  # every rank's peak resident set, summed
+        log(f"  p={p}: the ranks' peak resident memory sums to {rss[p]:.0f} MiB")
         for name, m in cases:
             key = f"{name}/{m}"
-            # skip the first iteration (warm-up); per iteration the slowest rank, then the median over iterations
+            # skip the first round (warm-up); per iteration the slowest rank, then the median over iterations
             its = range(1 if iterations > 1 else 0, iterations)
-            span = statistics.median(max(r["cases"][key]["spans"][i] for r in res) for i in its)
+            spans = [max(r["cases"][key]["spans"][i] for r in res) for i in range(iterations)]  # slowest rank's
+            span = statistics.median(spans[i] for i in its)
             whole = statistics.median(max(r["cases"][key]["iterations"][i] for r in res) for i in its)
             sched = plan_from_dict(res[0]["cases"][key]["plan"])  # what the ranks ran
             costs = emulated_costs(name, p, lat, emu)  # the plan came from rank 0: no second search
@@ -211,6 +237,7 @@ def run_emulated(
                     "m": m,
                     "schedule": name,
                     "measured_span_ms": span,
+                    "iteration_spans_ms": spans,  # every iteration's, the warm-up included
                     "simulated_ms": sim.makespan,
                     "error": span / sim.makespan - 1,
                     "in_pipeline_latency_ms": lat_in,
@@ -247,4 +274,5 @@ def run_emulated(
         "idle_s": IDLE_S,
         "costs_ms": asdict(emu),
         "spin_ms": spins,
+        "rank_rss_mib": rss,
     }
