@@ -83,7 +83,8 @@ class PartTimer:
         self._last_layer_end: Any = None
         self._emb_start: Any = None
         self._handles: list[Any] = []  # module hooks' and handler wrappers' removable handles (``detach``)
-        self._timed_b: dict[int, Any] | None = None  # stage -> its module, where B is timed (built at window open)
+        # stage -> its module and the units its B times (``_units``), where B is timed (built at window open)
+        self._timed_b: dict[int, tuple[Any, list[tuple[int, int, bool]]]] | None = None
         self._owner = {  # id(module) -> its stage: F is timed unless the stage recomputes whole layers
             id(m): stage
             for stage in self.stages.values()
@@ -130,7 +131,7 @@ class PartTimer:
                 self.step_samples.append(float(ms))
         self.active = self.start_iter <= ex.iteration < self.end_iter
         if self.active and self._timed_b is None:  # the recompute in force in the window, looked up once
-            self._timed_b = {s: m for s, m in self.stages.items() if self._times_b(m)}
+            self._timed_b = {s: (m, _units(m)) for s, m in self.stages.items() if self._times_b(m)}
 
     def _times_b(self, module: Any) -> bool:
         """Whether ``module``'s B is timed: not, with ``layers_without_recompute``, a stage that recomputes anything
@@ -256,8 +257,8 @@ class PartTimer:
 
     def _timed_backward(self, inner: Callable[[Any, Any], Any], kind: str) -> Callable[[Any, Any], Any]:
         def handler(ex: Any, a: Any) -> Any:
-            module = self._timed_b.get(a.stage) if self.active else None
-            if module is None:
+            timed = self._timed_b.get(a.stage) if self.active else None
+            if timed is None:
                 return inner(ex, a)
             self._in_b, self._marks = True, {}
             try:
@@ -266,19 +267,21 @@ class PartTimer:
                 marks = self._marks
             finally:
                 self._in_b, self._marks = False, None
-            self._b_parts(module, marks, end, kind)
+            self._b_parts(*timed, marks, end, kind)
             return out
 
         return handler
 
-    def _b_parts(self, module: Any, marks: dict[tuple[str, int], Any], end: Any, kind: str) -> None:
+    def _b_parts(
+        self, module: Any, units: list[tuple[int, int, bool]], marks: dict[tuple[str, int], Any], end: Any, kind: str
+    ) -> None:
         n = len(module.layers)
         for i in range(n - 1):  # a recomputed run's output is the next one's input (its own has no gradient)
             if ("out", i) not in marks and ("in", i + 1) in marks:
                 marks[("out", i)] = marks[("in", i + 1)]
         if module.post_process and ("loss", 0) in marks and ("out", n - 1) in marks:
             self._record("head", kind, marks[("loss", 0)], marks[("out", n - 1)])
-        for start, stop, recomputed in _units(module):  # a recomputed run's: its recompute and backward
+        for start, stop, recomputed in units:  # a recomputed run's: its recompute and backward
             last = stop - 1
             if ("out", last) in marks and ("in", start) in marks:
                 tag = "r" + kind if recomputed else kind
