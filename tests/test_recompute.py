@@ -14,7 +14,7 @@ import io
 
 import pytest
 import torch
-from training_runs import WINDOW
+from training_runs import WINDOW, pretrain_rank
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -208,16 +208,6 @@ def test_post_validation_and_pp1_bit_identical_slow() -> None:
     assert _losses([*BASE, *SELECTIVE], 1) == _losses(BASE, 1)
 
 
-def _train_logged(rank: int, world_size: int, argv: list[str]) -> dict:
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
-
-    torch.set_num_threads(1)
-    out = io.StringIO()
-    losses = list(pretrain(parse_run_config(argv, world_size=world_size), stream=out).losses)
-    return {"losses": losses, "log": out.getvalue()}
-
-
 @pytest.mark.slow
 def test_zb_auto_replans_from_a_profile_measured_under_recompute_slow(tmp_path) -> None:
     """zb-auto re-planned at the end of a profiling window under full recompute: the saved profile carries the B
@@ -230,9 +220,9 @@ def test_zb_auto_replans_from_a_profile_measured_under_recompute_slow(tmp_path) 
 
     argv = [*BASE, "--train-iters", "5", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *WINDOW]
     argv += ["--zero-bubble-max-pending-backward", "2"]
-    plain = run_multiprocess(_train_logged, 2, args=(argv,), timeout_s=240)[0]["losses"]
+    plain = run_multiprocess(pretrain_rank, 2, args=(argv,), timeout_s=240)[0]["losses"]
     save = str(tmp_path / "ckpt")
-    got = run_multiprocess(_train_logged, 2, args=([*argv, *FULL_UNIFORM, "--save", save],), timeout_s=240)
+    got = run_multiprocess(pretrain_rank, 2, args=([*argv, *FULL_UNIFORM, "--save", save],), timeout_s=240)
     assert "replanned zb-auto" in "".join(r["log"] for r in got)
     losses = got[0]["losses"]
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, plain)) and len(losses) == len(plain)
