@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from training_runs import WINDOW, pretrain_rank
@@ -140,16 +138,8 @@ def test_generic_split_first_stage_with_recompute_and_no_input_gradient() -> Non
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
-def _train(rank: int, world_size: int, argv: list[str]) -> list[float]:
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
-
-    torch.set_num_threads(1)
-    return list(pretrain(parse_run_config(argv, world_size=world_size), stream=io.StringIO()).losses)
-
-
 def _losses(argv: list[str], world_size: int) -> list[float]:
-    results = run_multiprocess(_train, world_size, args=(argv,), timeout_s=240)
+    results = [r["losses"] for r in run_multiprocess(pretrain_rank, world_size, args=(argv,), timeout_s=240)]
     assert all(r == results[0] for r in results)
     return results[0]
 
