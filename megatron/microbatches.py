@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from megatron.data.document_masks import model_inputs
@@ -33,12 +32,12 @@ def microbatch_indices(run: RunConfig, dp_rank: int, base: int, k: int) -> list[
 def load_microbatch(dataset: Any, indices: list[int], device: torch.device) -> dict[str, torch.Tensor]:
     """The samples ``indices`` of ``dataset`` collated into one batch (``tokens``, ``labels``, ``loss_mask``).
 
-    A dataset that serves raw samples (``tokens``: GPT, blended and mock data) is collated from its token rows
+    A dataset that serves raw token rows (``tokens_batch``: GPT, blended and mock data) is collated from them
     (three tensors per microbatch); any other (document masks, cyclic order) from its per-sample dicts.  Both give
     the same batch (tests/test_batch_loading.py)."""
-    tokens = getattr(dataset, "tokens", None)
-    if tokens is not None:
-        batch = batch_dict(np.stack([tokens(i) for i in indices]))
+    rows = getattr(dataset, "tokens_batch", None)
+    if rows is not None:
+        batch = batch_dict(rows(indices))
     else:
         batch = collate([dataset[i] for i in indices])
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}

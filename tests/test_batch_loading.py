@@ -1,5 +1,5 @@
 """Loading a microbatch gives the same batches as before the fast paths: the mock data's Markov walk equals the
-per-token NumPy loop it replaced, and ``load_microbatch``'s collation from token rows (datasets with ``tokens``)
+per-token NumPy loop it replaced, and ``load_microbatch``'s collation from token rows (datasets with ``tokens_batch``)
 equals collating the per-sample dicts, for mock, indexed and blended data and the wrappers that keep the
 per-sample path.  Exact equality (same values, dtypes, shapes, contiguous) -- nothing here rounds.
 """

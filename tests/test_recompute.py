@@ -10,11 +10,9 @@
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
-from training_runs import WINDOW
+from training_runs import WINDOW, pretrain_rank
 
 from zb_pipeline.testing.harness import run_multiprocess
 
@@ -140,16 +138,8 @@ def test_generic_split_first_stage_with_recompute_and_no_input_gradient() -> Non
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
-def _train(rank: int, world_size: int, argv: list[str]) -> list[float]:
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
-
-    torch.set_num_threads(1)
-    return list(pretrain(parse_run_config(argv, world_size=world_size), stream=io.StringIO()).losses)
-
-
 def _losses(argv: list[str], world_size: int) -> list[float]:
-    results = run_multiprocess(_train, world_size, args=(argv,), timeout_s=240)
+    results = [r["losses"] for r in run_multiprocess(pretrain_rank, world_size, args=(argv,), timeout_s=240)]
     assert all(r == results[0] for r in results)
     return results[0]
 
@@ -208,16 +198,6 @@ def test_post_validation_and_pp1_bit_identical_slow() -> None:
     assert _losses([*BASE, *SELECTIVE], 1) == _losses(BASE, 1)
 
 
-def _train_logged(rank: int, world_size: int, argv: list[str]) -> dict:
-    from megatron.arguments import parse_run_config
-    from megatron.training import pretrain
-
-    torch.set_num_threads(1)
-    out = io.StringIO()
-    losses = list(pretrain(parse_run_config(argv, world_size=world_size), stream=out).losses)
-    return {"losses": losses, "log": out.getvalue()}
-
-
 @pytest.mark.slow
 def test_zb_auto_replans_from_a_profile_measured_under_recompute_slow(tmp_path) -> None:
     """zb-auto re-planned at the end of a profiling window under full recompute: the saved profile carries the B
@@ -230,9 +210,9 @@ def test_zb_auto_replans_from_a_profile_measured_under_recompute_slow(tmp_path) 
 
     argv = [*BASE, "--train-iters", "5", "--pipeline-model-parallel-size", "2", "--enable-zero-bubble", *WINDOW]
     argv += ["--zero-bubble-max-pending-backward", "2"]
-    plain = run_multiprocess(_train_logged, 2, args=(argv,), timeout_s=240)[0]["losses"]
+    plain = run_multiprocess(pretrain_rank, 2, args=(argv,), timeout_s=240)[0]["losses"]
     save = str(tmp_path / "ckpt")
-    got = run_multiprocess(_train_logged, 2, args=([*argv, *FULL_UNIFORM, "--save", save],), timeout_s=240)
+    got = run_multiprocess(pretrain_rank, 2, args=([*argv, *FULL_UNIFORM, "--save", save],), timeout_s=240)
     assert "replanned zb-auto" in "".join(r["log"] for r in got)
     losses = got[0]["losses"]
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, plain)) and len(losses) == len(plain)

@@ -249,21 +249,14 @@ def sample_dict(tokens: np.ndarray) -> dict:
     """Megatron's GPT sample: tokens, labels (shifted by one) and loss_mask (ones), in host memory
     (``megatron.microbatches.load_microbatch`` moves the batch to the run's device).  Positions ``0..s-1`` and the
     causal mask are implicit; EOD-derived ones come from ``megatron.data.document_masks``."""
-    import torch
-
-    t = torch.from_numpy(tokens)
-    n = t.numel() - 1
-    return {
-        "tokens": t[:-1].clone(),
-        "labels": t[1:].clone(),
-        "loss_mask": torch.ones(n, dtype=torch.float32, device="cpu"),
-    }
+    return {k: v[0] for k, v in batch_dict(np.asarray(tokens)[None]).items()}
 
 
 def batch_dict(tokens: np.ndarray) -> dict:
-    """``sample_dict`` of every row of int64 ``tokens`` ``[b, seq_length + 1]``, collated: the same batch as stacking
-    the samples' dicts, built as three tensors instead of three per sample (``megatron.microbatches.load_microbatch``);
-    the copies are NumPy's (a torch call costs more than copying a microbatch)."""
+    """``sample_dict`` of every row of int64 ``tokens`` ``[b, seq_length + 1]``, collated (``sample_dict`` is the
+    one-row case): the same batch as stacking the samples' dicts, built as three tensors instead of three per sample
+    (``megatron.microbatches.load_microbatch``); the copies are NumPy's (a torch call costs more than copying a
+    microbatch)."""
     import torch
 
     tokens = np.asarray(tokens, dtype=np.int64)

@@ -101,6 +101,10 @@ class MockGPTDataset:
             raise IndexError(f"sample index {index} must be >= 0")
         return self.chain.sample(self.seed, SPLITS.index(self.split), index, self.seq_length + 1)
 
+    def tokens_batch(self, indices: Sequence[int]) -> np.ndarray:
+        """int64 ``[len(indices), seq_length + 1]``: ``tokens`` of each sample, stacked (as ``GPTDataset``'s)."""
+        return np.stack([self.tokens(int(i)) for i in indices])
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         """One sample in host memory, like every dataset here (``megatron.microbatches.load_microbatch`` moves the
         collated batch to the run's device)."""

@@ -38,10 +38,13 @@ def mul_(tensors: list[torch.Tensor], factor: float) -> None:
     """``t.mul_(factor)`` for every tensor of one device/dtype group, in one multi-tensor call.
 
     The CPU foreach kernel rounds a Python scalar to a half-precision list's dtype before multiplying, where
-    ``t.mul_`` multiplies in fp32; such a list gets the factor as an fp32 0-dim tensor, which keeps ``t.mul_``'s
-    result.  (The other scalars of the rules meet fp32 lists only, or are taken in fp32 by their kernels.)
+    ``t.mul_`` multiplies in fp32; such a list gets the factor as an fp32 0-dim CPU tensor, which keeps ``t.mul_``'s
+    result.  The CUDA kernels take the scalar in fp32 already, and a 0-dim CUDA tensor would cost a host-to-device
+    copy (a stream synchronisation) per call there.  (The other scalars of the rules meet fp32 lists only, or are
+    taken in fp32 by their kernels.)
     """
-    if tensors[0].dtype in (torch.float16, torch.bfloat16):
-        torch._foreach_mul_(tensors, torch.tensor(factor, dtype=torch.float32, device=tensors[0].device))
+    first = tensors[0]
+    if first.device.type == "cpu" and first.dtype in (torch.float16, torch.bfloat16):
+        torch._foreach_mul_(tensors, torch.tensor(factor, dtype=torch.float32))
     else:
         torch._foreach_mul_(tensors, factor)
