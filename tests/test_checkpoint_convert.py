@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import pretrain_rank
 
 from megatron import checkpoint_files as cf
 from megatron.arguments import parse_run_config
@@ -30,16 +31,11 @@ ARGV = [
 ]  # fmt: skip
 
 
-def _train(rank: int, world_size: int, argv: list[str]) -> list[float]:
-    torch.set_num_threads(1)
-    return list(pretrain(parse_run_config(argv, world_size=world_size), stream=io.StringIO()).losses)
-
-
 def _resume_converted(tmp_path: Path, source_flags: list[str], target: dict, load_flags: list[str]) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
     reference = run_multiprocess(
-        _train, 2, args=([*ARGV, *source_flags, "--save", str(src), "--save-interval", "3"],), timeout_s=240
-    )[0]
+        pretrain_rank, 2, args=([*ARGV, *source_flags, "--save", str(src), "--save-interval", "3"],), timeout_s=240
+    )[0]["losses"]
     out = checkpoint_convert.convert(src, dst, iteration=3, **target)
     assert out == cf.iteration_dir(dst, 3) and cf.read_tracker(dst) == 3
     torch.set_num_threads(1)
@@ -71,7 +67,7 @@ def test_dp2_distributed_optimizer_to_dp1(tmp_path):
 @pytest.mark.slow
 def test_tp1_to_tp2_and_dp_resharding_roundtrip(tmp_path):
     src = tmp_path / "src"
-    run_multiprocess(_train, 1, args=([*ARGV, "--save", str(src), "--save-interval", "3"],), timeout_s=240)
+    run_multiprocess(pretrain_rank, 1, args=([*ARGV, "--save", str(src), "--save-interval", "3"],), timeout_s=240)
     checkpoint_convert.convert(src, tmp_path / "tp2", iteration=3, tp=2, pp=1, dp=3)
     checkpoint_convert.convert(tmp_path / "tp2", tmp_path / "back", tp=1, pp=1, dp=1)
     a = checkpoint_convert.export_single_file(src, tmp_path / "a.pt", iteration=3)

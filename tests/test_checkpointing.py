@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import pretrain_rank
 
 from megatron import checkpoint_files as cf
 from megatron.arguments import parse_run_config
@@ -36,14 +37,8 @@ BASE = [
 ]  # fmt: skip
 
 
-def _train(rank: int, world_size: int, argv: list[str]) -> list[float]:
-    """One launch of the trainer on this rank; returns its losses (plain floats)."""
-    torch.set_num_threads(1)
-    return list(pretrain(parse_run_config(argv, world_size=world_size), stream=io.StringIO()).losses)
-
-
 def _launch(argv: list[str], world_size: int = 1, env: dict[str, str] | None = None) -> list[float]:
-    return run_multiprocess(_train, world_size, args=(argv,), timeout_s=240, env=env)[0]
+    return run_multiprocess(pretrain_rank, world_size, args=(argv,), timeout_s=240, env=env)[0]["losses"]
 
 
 def _resume_case(tmp_path: Path, extra: list[str], world_size: int) -> None:
@@ -231,7 +226,7 @@ def test_bad_load_and_save_inputs_are_one_line_errors(saved, tmp_path):
 def test_layout_mismatch_names_the_converter(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_multiprocess(
-        _train,
+        pretrain_rank,
         2,
         args=([*BASE, "--train-iters", "1", "--save", ckpt, "--tensor-model-parallel-size", "2"],),
         timeout_s=120,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from scaled_costs import scaled_costs
 
 from megatron.arguments import apply_layer_split, parse_run_config
 from megatron.config.errors import ConfigError
@@ -261,32 +262,6 @@ def test_window_replans_an_explicit_recompute_in_force() -> None:
     assert decision.current_iteration == pytest.approx(start.iteration)
 
 
-KT, KM = 3.0, 1.25  # the "measured" costs: the analytic ones in ms (x KT per GFLOP) and bytes x KM
-
-
-def _scaled(model):
-    """``model`` with every time scaled by ``KT`` and every byte count by ``KM`` (its options' runs and block kept)."""
-    from zb_pipeline.schedule.stage_planner import PartCosts
-
-    def part(q):
-        return PartCosts(f=q.f * KT, b=q.b * KT, w=q.w * KT, mem_f=q.mem_f * KM, mem_b=q.mem_b * KM)
-
-    rec = tuple(
-        dataclasses.replace(
-            o,
-            b_extra=o.b_extra * KT,
-            mem_f=o.mem_f * KM,
-            mem_b=o.mem_b * KM,
-            transient=o.transient * KM,
-            transient_bw=o.transient_bw * KM,
-        )  # fmt: skip
-        for o in model.recompute
-    )
-    return dataclasses.replace(
-        model, layer=part(model.layer), embedding=part(model.embedding), head=part(model.head), recompute=rec
-    )
-
-
 def _explicit_window(true, layers: tuple[int, ...]):
     """The stage profile and the part timer's samples of a window that ran ``layers`` under ``true``'s explicit
     recompute: each stage's F, B, W, memory and B transient; every layer's F, the B of a layer that recomputed (a
@@ -336,7 +311,7 @@ def test_window_derives_an_explicit_full_recompute(name: str, window: tuple[int,
         "full-block-2": [*FULL, "block", "--recompute-num-layers", "2"],
     }[name]
     analytic = _explicit_model(parse_run_config([*MAKE_TRAIN, "--pipeline-layer-split", "auto", *flags], world_size=4))
-    true = _scaled(analytic)
+    true = scaled_costs(analytic)
     summaries, profile = _explicit_window(true, window)
     got = ModelCosts.from_dict(combine_parts(summaries, profile, analytic, recompute=(name,) * len(window)))
     for part in ("layer", "embedding", "head"):

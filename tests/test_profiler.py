@@ -8,6 +8,7 @@ equals the simulator's prediction under the profiled deltas.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -295,6 +296,31 @@ def test_single_process_profiler_window_and_switch_errors() -> None:
 
     with pytest.raises(ValueError, match="must keep p=1, m=3"):
         switch_plan(ex, generate("zb-h1", 1, 4))
+
+
+def test_the_window_replanner_takes_out_every_profiler_hook_at_the_windows_end() -> None:
+    """The replanner's ``ActionProfiler`` wraps the compute handlers and hooks the executor and its weight-gradient
+    store; at the window's end (the replan) it puts the handler table and every hook list back to what they were,
+    and its samples stay: a later gather gives the profile the replan used, after iterations it did not see."""
+    torch.set_num_threads(1)
+    ex = PipelineExecutor(
+        lower(generate("zb-h1", 1, 3)), 0, {0: MLPStage(0)}, p2p=None, input_fn=mlp_input, loss_fn=_loss_fn
+    )
+    hooks, store = ex.hooks, ex.store
+
+    def installed() -> tuple:
+        lists = (hooks.iteration_start, hooks.input_ready, hooks.saved_for_backward, store.on_submit)
+        return dict(ex.handlers), [list(h) for h in (*lists, store.on_recompute)]
+
+    before = installed()
+    replanner = WindowReplanner(ex, start_iter=0, end_iter=2, log=lambda line: None)
+    assert installed() != before
+    for it in range(2):
+        ex.run(it)
+        replanner.after_iteration(it)
+    assert replanner.replan is not None and installed() == before
+    ex.run(2)  # on the replanned plan, which a gather names
+    assert dataclasses.replace(replanner.profiler.gather(), schedule="zb-h1") == replanner.profile
 
 
 def test_replan_without_a_memory_limit_fails_in_one_line_and_the_trainer_exits_2(monkeypatch, capsys) -> None:

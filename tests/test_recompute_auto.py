@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from scaled_costs import scaled_costs
 
 from megatron.arguments import parse_run_config
 from megatron.config.errors import ConfigError
@@ -141,24 +142,6 @@ def test_named_smallest_limit_works() -> None:
 
 
 # -- the profiling window's re-decision (megatron.pipeline.part_costs, layer_split.measured_layer_split) -----------
-KT, KM = 3.0, 1.25  # the "measured" costs: the analytic ones in ms (x KT per GFLOP) and bytes x KM
-
-
-def _true_costs(mc):
-    """The costs a window measures here: every analytic number scaled, times by ``KT`` and bytes by ``KM``."""
-    import dataclasses
-
-    from zb_pipeline.schedule.stage_planner import PartCosts, RecomputeOption
-
-    def part(q):
-        return PartCosts(f=q.f * KT, b=q.b * KT, w=q.w * KT, mem_f=q.mem_f * KM, mem_b=q.mem_b * KM)
-
-    rec = tuple(RecomputeOption(o.name, o.b_extra * KT, o.mem_f * KM, o.mem_b * KM) for o in mc.recompute)
-    return dataclasses.replace(
-        mc, layer=part(mc.layer), embedding=part(mc.embedding), head=part(mc.head), recompute=rec
-    )
-
-
 def _window_profile(true, layers: tuple[int, ...], choice: tuple[str, ...]):
     """The stage profile and part samples of a window that ran ``layers`` with ``choice`` under ``true`` costs: each
     stage's F, B, W and memory under its own choice; the part timer's samples (no layer B from a stage that
@@ -201,7 +184,7 @@ def test_window_measures_every_option_whatever_the_stages_ran(choice) -> None:
     from zb_pipeline.schedule.stage_planner import ModelCosts
 
     mc = _costs()
-    true = _true_costs(mc)
+    true = scaled_costs(mc)
     summaries, profile = _window_profile(true, (3, 3), choice)
     got = ModelCosts.from_dict(combine_parts(summaries, profile, mc, recompute=choice))
     for name in ("layer", "embedding", "head"):
@@ -240,7 +223,7 @@ def test_window_decision_is_the_fastest_candidate_within_the_limit(where) -> Non
     from megatron.pipeline.part_costs import combine_parts
 
     mc = _costs()
-    true = _true_costs(mc)
+    true = scaled_costs(mc)
     start = ("full", "none")
     summaries, profile = _window_profile(true, (3, 3), start)
     profile = dataclasses.replace(profile, parts=combine_parts(summaries, profile, mc, recompute=start))

@@ -117,7 +117,9 @@ def combine_parts(
     opts = [names.index(c) for c in recompute] if recompute else [0] * profile.num_stages
     # an explicit recompute (``analytic.fixed_recompute``, in force on every stage): the layers' B timed apart
     # by whether they recomputed give the layer without recompute and what the option adds
-    ran = _fixed_recompute(measured["layer"], analytic) if analytic.fixed_recompute else {}
+    fixed: dict[int, float] = {}
+    if analytic.fixed_recompute:
+        measured["layer"], fixed = _fixed_recompute(measured["layer"], analytic)
     if analytic.recompute and not {"b", "bw"} & set(measured["layer"]):
         raise ValueError("the profiling window timed no layer backward without recompute (every stage recomputes)")
     last = profile.num_stages - 1
@@ -159,8 +161,7 @@ def combine_parts(
             w = an[part].w * (f / an[part].f) if an[part].f > 0 else 0.0
         parts[part] = {"f": f, "b": b, "w": w}
     _memory(parts, profile, analytic, opts)
-    if not analytic.fixed_recompute:
-        ran = _measured_recompute(parts, profile, held, opts)
+    ran = fixed if analytic.fixed_recompute else _measured_recompute(parts, profile, held, opts)
     options = _measured_options(analytic, parts, ran, profile, opts)
 
     def cost(s: int, part: str, kind: str) -> float:
@@ -221,22 +222,22 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
     parts["head"].update(mem_f=head_f, mem_b=max(rest_held, 0.0) - head_f)
 
 
-def _fixed_recompute(layer: dict[str, float], analytic: ModelCosts) -> dict[int, float]:
+def _fixed_recompute(layer: dict[str, float], analytic: ModelCosts) -> tuple[dict[str, float], dict[int, float]]:
     """Under an explicit recompute the part timer times a layer that recomputed (its B: recompute and backward,
     ``"rb"``; a fused BW: ``"rbw"``) apart from one that did not (block: a stage's later layers; ``"b"``/``"bw"``).
     What the option adds to a layer's B is their difference; where no layer ran without it (uniform, selective, a
-    block over every layer of a stage), the option's analytic share of the measured layer forward, and the layer
-    without recompute is the recomputing one less that (in place on ``layer``, the measured layer's times).
-    Returns ``{1: the option's measured extra}`` (empty: no recomputing layer was timed)."""
+    block over every layer of a stage), the layer without recompute is the recomputing one less the option's
+    analytic share of the measured layer forward.  Returns the measured layer's times with that one in, and
+    ``{1: the option's measured extra}`` (empty: no recomputing layer was timed)."""
     option, a = analytic.recompute[0], analytic.layer
     for plain, recomputing in (("b", "rb"), ("bw", "rbw")):
         if recomputing not in layer:
             continue
         if plain not in layer:
             guess = option.b_extra * (layer["f"] / a.f) if a.f > 0 else 0.0
-            layer[plain] = max(layer[recomputing] - guess, 0.0)
-        return {1: max(layer[recomputing] - layer[plain], 0.0)}
-    return {}
+            layer = {**layer, plain: max(layer[recomputing] - guess, 0.0)}
+        return layer, {1: max(layer[recomputing] - layer[plain], 0.0)}
+    return layer, {}
 
 
 def _measured_recompute(

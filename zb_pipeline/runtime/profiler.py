@@ -15,7 +15,8 @@ In a window of iterations ``[start_iter, end_iter)`` an ``ActionProfiler`` attac
 
 It attaches through the executor's extension points only: ``wrap_handler`` around each compute kind, the
 ``input_ready``, ``saved_for_backward`` and ``iteration_start`` hooks, and the weight-gradient store's
-``on_submit``.  ``gather`` (collective over the pipeline group, ``zb_pipeline.runtime.profile_gather``) turns every
+``on_submit``; ``detach`` takes them all out again at the window's end (``WindowReplanner``: after its gathers).
+``gather`` (collective over the pipeline group, ``zb_pipeline.runtime.profile_gather``) turns every
 rank's samples into one ``Profile`` (``zb_pipeline.schedule.profile``: converts to ``StageCosts``, saves to
 ``prof.json``, which ``zb-schedule simulate/show/compare --profile`` reads); ``zb_pipeline.runtime.replanner``
 plans from it and switches the running plan.
@@ -90,6 +91,8 @@ class ActionProfiler:
         self.accounting_s = 0.0
         self.boundaries: list[float] = []  # CPU: ms from an iteration's last compute action to the next one's first
         self._iteration_end: float | None = None  # the last action's end of the previous (profiled) iteration
+        self._wraps: list[Any] = []  # the handler wrappers' ``HandlerWrap``s (``detach``)
+        self._submitted: Callable[[Callable[[], None]], None] | None = None  # its ``on_submit`` hook
         self._install()
 
     # the activation-memory samples (see ``ActivationMemory``)
@@ -114,7 +117,7 @@ class ActionProfiler:
         ex = self.ex
         for kind in COMPUTE_KINDS:
             if kind in ex.handlers:
-                ex.wrap_handler(kind, lambda inner, kind=kind: self._wrap(kind, inner))
+                self._wraps.append(ex.wrap_handler(kind, lambda inner, kind=kind: self._wrap(kind, inner)))
         ex.hooks.input_ready.append(self._input_ready)
         if self.activation.saved_tensors:
             ex.hooks.saved_for_backward.append(self._capture_root)
@@ -126,10 +129,30 @@ class ActionProfiler:
             if self.active and self._in_action and self.activation.saved_tensors and store.active_key is not None:
                 self.activation.hold_work(store.active_key, work)
 
+        self._submitted = submitted
         store.on_submit.append(submitted)
         if self.activation.saved_tensors:
             store.on_recompute.append(self._recomputed)
         ex.hooks.iteration_start.append(self._begin_iteration)
+
+    def detach(self) -> None:
+        """Take out every handler wrapper and hook this profiler installed (at its window's end, between
+        iterations); the samples stay, so ``local_summary`` and ``gather`` still read them."""
+        for wrap in self._wraps:
+            wrap.remove()
+        self._wraps.clear()
+        ex, store = self.ex, self.ex.store
+        for hooks, hook in (
+            (ex.hooks.input_ready, self._input_ready),
+            (ex.hooks.saved_for_backward, self._capture_root),
+            (store.on_submit, self._submitted),
+            (store.on_recompute, self._recomputed),
+            (ex.hooks.iteration_start, self._begin_iteration),
+        ):
+            if hook in hooks:
+                hooks.remove(hook)
+        self.activation.close_iteration()  # what its iteration hook would have done next
+        self.active = False
 
     def _recomputed(self, outputs: tuple[torch.Tensor, ...]) -> None:
         if self.active and self._in_action:

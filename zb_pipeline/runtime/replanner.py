@@ -205,6 +205,7 @@ class WindowReplanner:
             profile = dataclasses.replace(profile, stage_layers=tuple(self.stage_layers))
         if self.parts is not None:
             profile = dataclasses.replace(profile, parts=self.parts(profile))
+        self.profiler.detach()  # the window is over: its wrappers and hooks come out, its samples stay
         profile, limit = self._agree(profile, self.resolve_mem_limit(profile))
         self.profile = profile
         current = self.executor.lowered.schedule  # keep its chunks (interleaved-zb may run 2..8)
