@@ -12,6 +12,7 @@ The reference is the per-tensor loop of torch's formulas, kept here (``_loop_ada
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,6 +34,15 @@ from megatron.parallel.data_parallel import DataParallelReducer
 LRS = [0.01, 0.03, 0.02, 0.005, 0.04]
 
 
+def _with_grads(rule: UpdateRule) -> Iterator[tuple[float, torch.nn.Parameter, torch.Tensor]]:
+    """``(weight decay, parameter, fp32 gradient)`` of every parameter with a gradient, group by group, in order."""
+    for group in rule.param_groups:
+        for p in group.params:
+            g = grad_of(p)
+            if g is not None:
+                yield group.weight_decay, p, g.float()
+
+
 def _loop_adamw_step(rule: UpdateRule, lr: float) -> None:
     """The per-tensor AdamW loop (the reference): ``p <- p (1 - lr wd)``, Adam moments, bias-corrected update."""
     cfg = rule.config
@@ -41,42 +51,32 @@ def _loop_adamw_step(rule: UpdateRule, lr: float) -> None:
     b1, b2 = cfg.adam_beta1, cfg.adam_beta2
     step_size = lr / (1.0 - b1**t)
     bc2_sqrt = math.sqrt(1.0 - b2**t)
-    for group in rule.param_groups:
-        for p in group.params:
-            g = grad_of(p)
-            if g is None:
-                continue
-            g = g.float()
-            st = rule.state_of(p)
-            m, v = st["exp_avg"], st["exp_avg_sq"]
-            if group.weight_decay != 0.0:
-                p.mul_(1.0 - lr * group.weight_decay)
-            m.lerp_(g, 1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            denom = (v.sqrt() / bc2_sqrt).add_(cfg.adam_eps)
-            p.addcdiv_(m, denom, value=-step_size)
+    for wd, p, g in _with_grads(rule):
+        st = rule.state_of(p)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        if wd != 0.0:
+            p.mul_(1.0 - lr * wd)
+        m.lerp_(g, 1.0 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+        denom = (v.sqrt() / bc2_sqrt).add_(cfg.adam_eps)
+        p.addcdiv_(m, denom, value=-step_size)
 
 
 def _loop_sgd_step(rule: UpdateRule, lr: float) -> None:
     """The per-tensor SGD loop (the reference): L2 decay into the gradient, momentum buffer, ``p <- p - lr buf``."""
     momentum = rule.config.sgd_momentum
     rule.step_count += 1
-    for group in rule.param_groups:
-        for p in group.params:
-            g = grad_of(p)
-            if g is None:
-                continue
-            d = g.float()
-            if group.weight_decay != 0.0:
-                d = d.add(p, alpha=group.weight_decay)
-            if momentum != 0.0:
-                st = rule.state.get(id(p))
-                if st is None:
-                    rule.state[id(p)] = st = {"momentum_buffer": d.clone()}
-                else:
-                    st["momentum_buffer"].mul_(momentum).add_(d)
-                d = st["momentum_buffer"]
-            p.add_(d, alpha=-lr)
+    for wd, p, d in _with_grads(rule):
+        if wd != 0.0:
+            d = d.add(p, alpha=wd)
+        if momentum != 0.0:
+            st = rule.state.get(id(p))
+            if st is None:
+                rule.state[id(p)] = st = {"momentum_buffer": d.clone()}
+            else:
+                st["momentum_buffer"].mul_(momentum).add_(d)
+            d = st["momentum_buffer"]
+        p.add_(d, alpha=-lr)
 
 
 class LoopAdamW(AdamW):

@@ -193,6 +193,11 @@ def test_a_handler_wrapper_is_taken_out_again() -> None:
     runtime.set_handler(Kind.F, base)
     again.remove()
     assert handlers[Kind.F] is base
+    # the same with a replacement other than the wrapped handler (above, unwrapping would also give ``base``)
+    again, other = runtime.wrap_handler(Kind.F, named("again")), named("other")(base)
+    runtime.set_handler(Kind.F, other)
+    again.remove()
+    assert handlers[Kind.F] is other
 
 
 def test_replaced_stages_run_from_the_next_iteration() -> None:

@@ -88,11 +88,10 @@ def clip_grads(
     Gradients are scaled by ``max_norm / (norm + 1e-6)`` when that is below 1, as in Megatron.
     """
     stats = grad_stats(reduce_grad_stats(local_grad_stats(params, tp_rank=tp_rank), group=mp_group))
-    if not stats.found_nonfinite and max_norm > 0:
-        coeff = max_norm / (stats.norm + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                g = grad_of(p)
-                if g is not None:
-                    g.mul_(coeff)
+    coeff = clip_coefficient(stats.norm, max_norm)  # 1 when non-finite (the norm is NaN then)
+    if coeff < 1.0:
+        for p in params:
+            g = grad_of(p)
+            if g is not None:
+                g.mul_(coeff)
     return stats

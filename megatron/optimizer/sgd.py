@@ -42,7 +42,7 @@ class SGD(UpdateRule):
                 d = g.float()
                 st = self.state.get(id(p))
                 if momentum != 0.0 and st is None:  # torch starts the buffer as a copy of the first update
-                    buf = (d.add(p, alpha=wd) if wd != 0.0 else d).clone()
+                    buf = d.add(p, alpha=wd) if wd != 0.0 else d.clone()  # a new tensor either way
                     self.state[id(p)] = {"momentum_buffer": buf}
                     p.add_(buf, alpha=-lr)
                     continue
