@@ -8,7 +8,7 @@ do not grade the code with itself.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from zb_pipeline.schedule.ir import BW, B, F, Kind, Schedule, W, loop_placement, v_placement
 from zb_pipeline.schedule.lowering import CommBatch, LoweredSchedule
@@ -218,3 +218,42 @@ def producing_step_ends(result) -> dict[tuple[int, bool, int], float]:
         for h in halves(x.action)
         if h.kind is not Kind.W
     }
+
+
+def events_as_simulated(
+    sched: Schedule, result, costs, comm_ms: float, ev: Callable[..., dict], post_ms: float | None = None
+) -> list[list[dict]]:
+    """Each rank's trace events of ``sched`` run exactly as ``result`` (its ``simulate`` under ``costs``) times it:
+    every cross-rank input waited for from the rank's previous end to its arrival (the producing plan step's end +
+    ``comm_ms``), a pair's halves as an F and then a BW event (both with ``pair=str(step)``); with ``post_ms``, every
+    cross-rank send posted ``post_ms`` after its plan step ends (a pair: after its backward half, as lowered).
+    ``ev(rank, cat, stage, microbatch, start_ms, dur_ms, tid=0, **args)`` builds one event."""
+    from zb_pipeline.schedule.ir import halves
+
+    owner, last = sched.stage_to_rank, sched.num_stages - 1
+    ends = producing_step_ends(result)
+    traces = []
+    for r, line in enumerate(result.timeline):
+        evs, free = [], 0.0
+        for x in line:
+            t, hs = x.start, halves(x.action)
+            pair = {"pair": str(x.action)} if len(hs) > 1 else {}
+            for h in hs:
+                fwd = h.kind is Kind.F
+                if h.kind is not Kind.W:
+                    src = h.stage - 1 if fwd else h.stage + 1
+                    if 0 <= src <= last and owner[src] != r:
+                        arrival = ends[(src, fwd, h.microbatch)] + comm_ms
+                        recv = "RECV_F" if fwd else "RECV_B"
+                        evs.append(ev(r, "wait", h.stage, h.microbatch, free, max(arrival - free, 0.0), kind=recv))
+                        free = max(free, arrival)
+                    dst = h.stage + 1 if fwd else h.stage - 1
+                    if post_ms is not None and 0 <= dst <= last and owner[dst] != r:
+                        send = "SEND_F" if fwd else "SEND_B"
+                        evs.append(ev(r, send, h.stage, h.microbatch, x.end + post_ms, 0.0, tid=1))
+                dur = x.end - t if h is hs[-1] else costs.f[h.stage]  # a pair: its F, then its BW
+                evs.append(ev(r, h.kind.value, h.stage, h.microbatch, t, dur, **pair))
+                t += dur
+            free = x.end
+        traces.append(evs)
+    return traces

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from zb_pipeline.runtime.emulate import EmulatedCosts
-from zb_pipeline.schedule.ir import Kind, halves
+from zb_pipeline.schedule.ir import Kind
 from zb_pipeline.schedule.registry import generate
 from zb_pipeline.schedule.simulate import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_pipeline_emulated import _transfer_times, emulated_costs, in_pipeline_latency_ms  # noqa: E402
-from schedule_test_plans import producing_step_ends  # noqa: E402
+from schedule_test_plans import events_as_simulated  # noqa: E402
 
 EMU = EmulatedCosts(4.0, 6.0, 3.0)  # F, B, W of a rank's whole share, ms
 T0 = 1000.0  # the tracer's host-clock origin, s
@@ -30,10 +30,8 @@ def _rank_traces(name: str, p: int, m: int, comm_ms: float) -> list[list[dict]]:
     sched = generate(name, p, m)
     costs = emulated_costs(name, p, comm_ms, EMU)
     res = simulate(sched, costs)
-    owner, last = sched.stage_to_rank, sched.num_stages - 1
-    ends = producing_step_ends(res)  # (stage, forward?, microbatch) -> when the plan step producing it ends
 
-    def ev(cat: str, start_ms: float, dur_ms: float, stage: int, mb: int, **args: object) -> dict:
+    def ev(rank: int, cat: str, stage: int, mb: int, start_ms: float, dur_ms: float, **args: object) -> dict:
         return {
             "cat": cat,
             "tid": 0,
@@ -42,26 +40,7 @@ def _rank_traces(name: str, p: int, m: int, comm_ms: float) -> list[list[dict]]:
             "args": {"stage": stage, "microbatch": mb, "iteration": ITERATION, **args},
         }
 
-    traces = []
-    for r, line in enumerate(res.timeline):
-        evs, free = [], 0.0
-        for x in line:
-            t, hs = x.start, halves(x.action)
-            pair = {"pair": str(x.action)} if len(hs) > 1 else {}
-            for h in hs:
-                fwd = h.kind is Kind.F
-                src = h.stage - 1 if fwd else h.stage + 1
-                if h.kind is not Kind.W and 0 <= src <= last and owner[src] != r:
-                    arrival = ends[(src, fwd, h.microbatch)] + comm_ms
-                    kind = "RECV_F" if fwd else "RECV_B"
-                    evs.append(ev("wait", free, max(arrival - free, 0.0), h.stage, h.microbatch, kind=kind))
-                    free = max(free, arrival)
-                dur = x.end - t if h is hs[-1] else costs.f[h.stage]  # a pair: its F, then its BW
-                evs.append(ev(h.kind.value, t, dur, h.stage, h.microbatch, **pair))
-                t += dur
-            free = x.end
-        traces.append(evs)
-    return traces
+    return events_as_simulated(sched, res, costs, comm_ms, ev)
 
 
 @pytest.mark.parametrize("name", ["dualpipev", "zb-h1"])

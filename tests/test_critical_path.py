@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from schedule_test_plans import producing_step_ends
+from schedule_test_plans import events_as_simulated
 
 from zb_pipeline.schedule.critical_path import critical_path
 from zb_pipeline.schedule.ir import Action, Kind
@@ -82,7 +82,6 @@ def _trace_as_simulated(name: str, p: int, m: int, *, comm_ms: float, post_ms: f
     every send posted ``post_ms`` after its plan step ends (a pair: after its backward half, as lowered), every
     receive waited from the rank's previous end to the arrival.  Returns it and the simulated makespan."""
     from zb_pipeline.schedule.costs import StageCosts
-    from zb_pipeline.schedule.ir import halves
     from zb_pipeline.schedule.simulate import simulate
 
     sched = generate(name, p, m)
@@ -90,30 +89,8 @@ def _trace_as_simulated(name: str, p: int, m: int, *, comm_ms: float, post_ms: f
         num_ranks=p, chunks=sched.chunks, stage_to_rank=sched.stage_to_rank, f=2.0, b=3.0, w=1.5, comm=comm_ms
     )
     res = simulate(sched, costs)
-    owner, last = sched.stage_to_rank, sched.num_stages - 1
-    ends = producing_step_ends(res)  # (stage, forward?, microbatch) -> when the plan step producing it ends
-    evs = []
-    for r, line in enumerate(res.timeline):
-        free = 0.0
-        for x in line:
-            t, hs = x.start, halves(x.action)
-            for h in hs:
-                fwd = h.kind is Kind.F
-                if h.kind is not Kind.W:  # its input from another rank: waited for from the rank's previous end
-                    src = h.stage - 1 if fwd else h.stage + 1
-                    if 0 <= src <= last and owner[src] != r:
-                        arrival = ends[(src, fwd, h.microbatch)] + comm_ms
-                        recv = "RECV_F" if fwd else "RECV_B"
-                        evs.append(_ev(r, "wait", h.stage, h.microbatch, free, max(arrival - free, 0.0), kind=recv))
-                        free = max(free, arrival)
-                    dst = h.stage + 1 if fwd else h.stage - 1
-                    if 0 <= dst <= last and owner[dst] != r:
-                        evs.append(_ev(r, "SEND_F" if fwd else "SEND_B", h.stage, h.microbatch, x.end + post_ms, 0, 1))
-                dur = x.end - t if h is hs[-1] else costs.f[h.stage]  # a pair: F, then BW
-                evs.append(_ev(r, h.kind.value, h.stage, h.microbatch, t, dur))
-                t += dur
-            free = x.end
-    return {"traceEvents": evs}, res.makespan
+    traces = events_as_simulated(sched, res, costs, comm_ms, _ev, post_ms=post_ms)
+    return {"traceEvents": [e for evs in traces for e in evs]}, res.makespan
 
 
 @pytest.mark.parametrize("name", ["dualpipev", "zb-v", "1f1b"])
