@@ -504,22 +504,20 @@ def test_fused_bw_schedule_with_auto_split_and_window_trains() -> None:
         pytest.param("block", 1, marks=pytest.mark.slow),
     ],
 )
-def test_window_under_explicit_full_recompute(method: str, n: int) -> None:
+def test_window_under_explicit_full_recompute(tmp_path, method: str, n: int) -> None:
     """--recompute-granularity full with --recompute-method ``method`` --recompute-num-layers ``n`` on every stage:
     the window times each layer's F (without autograd where it recomputes) and the B of each recomputed run (its
     recompute and backward) apart from a layer that kept its activations (block: a stage's later layers), and
     re-decides the split from them, the option fixed in the profile's parts with its run or block.  The parts add up
     to every measured stage under the recompute it ran, and the losses are those of the run without a window."""
-    import tempfile
-
     from zb_pipeline.schedule.profile import Profile
 
     full = ["--recompute-granularity", "full", "--recompute-method", method, "--recompute-num-layers", str(n)]
     # six layers: whatever the split, a stage holds more than two (block 2 leaves one of them plain)
     argv = [*ARGV, "--num-layers", "6", "--pipeline-schedule", "zb-h1", *AUTO, *full, "--train-iters", "5"]
-    with tempfile.TemporaryDirectory() as save:
-        log = _with_and_without_window(argv, "--save", save)
-        profile = Profile.load(f"{save}/zb_profile.json")
+    save = str(tmp_path / "ckpt")
+    log = _with_and_without_window(argv, "--save", save)
+    profile = Profile.load(f"{save}/zb_profile.json")
     assert "layer split from measured per-part costs" in log and "layer split kept" not in log
     parts = profile.model_costs()
     (option,) = parts.recompute

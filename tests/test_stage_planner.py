@@ -16,6 +16,7 @@ from zb_pipeline.schedule.stage_planner import (
     PartCosts,
     PlannerError,
     RecomputeOption,
+    StepShare,
     evaluate_split,
     plan_stages,
     smallest_mem_limit,
@@ -197,8 +198,6 @@ def test_step_follows_the_rank_with_the_most_optimizer_work() -> None:
     """Every rank starts its optimizer step at the pipeline's end, each over the parameters it holds: a candidate's
     time between iterations is the fixed part plus the largest rank's share (here per layer 1, the embedding 0.5, the
     head 3), and the planner minimises the simulated iteration with it (brute force over every split)."""
-    from zb_pipeline.schedule.stage_planner import StepShare, evaluate_split
-
     share = StepShare(embedding=0.5, layer=1.0, head=3.0)
     mc = ModelCosts(num_layers=4, layer=LAYER, embedding=EMBEDDING, head=HEAD, step=2.0, step_share=share)
     assert mc.step_time((3, 1), (0, 1)) == 2.0 + max(0.5 + 3.0, 1.0 + 3.0)

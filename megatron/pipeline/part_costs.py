@@ -54,8 +54,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from zb_pipeline.schedule.model_costs import ModelCosts, PartCosts, RecomputeOption, StepShare
 from zb_pipeline.schedule.profile import Profile
-from zb_pipeline.schedule.stage_planner import ModelCosts, PartCosts, RecomputeOption, StepShare
 
 PARTS = ("embedding", "layer", "head")
 
@@ -64,7 +64,7 @@ def step_shares(summaries: list[dict[str, Any]], summary: Callable[[list[float]]
     """Each part's share of the optimizer work (module docstring): every rank's measured work (``summary`` of its
     samples) shared among its parts by their parameter counts, per part the median over the ranks that hold it.
     None when a rank measured none (a GPU, a window of one iteration)."""
-    per: dict[str, list[float]] = {"embedding": [], "layer": [], "head": []}
+    per: dict[str, list[float]] = {part: [] for part in PARTS}
     for one in summaries:
         step = one.get("step") or {}
         if not step.get("ms"):
@@ -207,7 +207,8 @@ def _memory(parts: dict[str, dict[str, float]], profile: Profile, analytic: Mode
         (uniform runs keep one input per run, block recomputes the first layers: ``ModelCosts.stage_part``)."""
         return analytic.stage_part(layers[s], opts[s], first=s == 0, last=False).mem_f - analytic.overhead.mem_f
 
-    factors = [profile.mem_f[s] / analytic_total(s) for s in body if analytic_total(s) > 0]
+    totals = {s: analytic_total(s) for s in body}
+    factors = [profile.mem_f[s] / t for s, t in totals.items() if t > 0]
     c = float(statistics.median(factors)) if factors else 1.0
     emb_f = analytic.embedding.mem_f * c
     layer_f = a.mem_f * c

@@ -41,8 +41,8 @@ from megatron.pipeline.part_costs import combine_parts
 from zb_pipeline import comm
 from zb_pipeline.runtime.profiler import clock_mark
 from zb_pipeline.schedule.ir import Kind
+from zb_pipeline.schedule.model_costs import ModelCosts
 from zb_pipeline.schedule.profile import Profile
-from zb_pipeline.schedule.stage_planner import ModelCosts
 
 __all__ = ["PartTimer", "parameter_counts", "recomputes"]
 
@@ -338,8 +338,7 @@ def _units(stage: Any) -> list[tuple[int, int, bool]]:
     units, i = [], 0
     while i < len(stage.layers):
         stop = runs.get(i, i + 1)
-        core = getattr(getattr(stage.layers[i], "self_attention", None), "recompute_core", False)
-        units.append((i, stop, i in runs or bool(core)))
+        units.append((i, stop, i in runs or _recomputes_core(stage.layers[i])))
         i = stop
     return units
 
@@ -348,7 +347,12 @@ def recomputes(stage: Any) -> bool:
     """Whether a ``GPTStage`` recomputes anything at B (whole layers, or its layers' core attention)."""
     if stage.recompute_segments:
         return True
-    return any(getattr(getattr(layer, "self_attention", None), "recompute_core", False) for layer in stage.layers)
+    return any(_recomputes_core(layer) for layer in stage.layers)
+
+
+def _recomputes_core(layer: Any) -> bool:
+    """Whether a ``TransformerLayer`` recomputes its core attention at B (selective recompute)."""
+    return bool(getattr(getattr(layer, "self_attention", None), "recompute_core", False))
 
 
 def parameter_counts(stages: Any) -> dict[str, int]:

@@ -92,7 +92,7 @@ class Profile:
         if shares:
             return statistics.median(shares)
         if self.parts is not None:
-            layer = ModelCosts.from_dict(self.parts).layer
+            layer = self.model_costs().layer
             return layer.b / (layer.b + layer.w) if layer.b + layer.w > 0 else None
         return None
 

@@ -46,9 +46,6 @@ from zb_pipeline.schedule.model_costs import (  # the per-part model, importable
     PartCosts,
     RecomputeOption,
     StepShare,
-    run_lengths,
-    runs_rest,
-    runs_transient,
 )
 from zb_pipeline.schedule.simulate import simulate
 
@@ -65,9 +62,6 @@ __all__ = [
     "evaluate_split",
     "even_split",
     "plan_stages",
-    "run_lengths",
-    "runs_rest",
-    "runs_transient",
     "smallest_mem_limit",
 ]
 DEFAULT_EVALUATIONS = 5000  # simulations of a fixed plan (about a millisecond each at p = 8, m = 32 on an idle CPU)
